@@ -1,0 +1,60 @@
+"""``sinklm info``: a preset's size and full config, as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ConfigError, ModelConfig
+from .model import CausalLM
+
+
+def count_params(config: ModelConfig) -> int:
+    """Parameter count without allocating weights (the model is built on the meta device)."""
+    with torch.device("meta"):
+        return CausalLM(config).num_params()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "info",
+        help="print a model preset's parameter count and config as JSON",
+        description="Print {name, params, config} for a preset as JSON.",
+        epilog="example: sinklm info pythia-160m --variant sink_token\n"
+        "         sinklm info --list",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("preset", nargs="?", help=f"one of {', '.join(PRESETS)}")
+    parser.add_argument("--list", action="store_true", help="list every preset with its size")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help="a named variant")
+    parser.add_argument("--softmax", choices=SOFTMAX_VARIANTS, help="attention.softmax")
+    parser.add_argument("--sink-tokens", type=int, help="number of sink tokens")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        rows = [
+            {"name": name, "params": count_params(ModelConfig.from_preset(name))}
+            for name in PRESETS
+        ]
+        print(json.dumps({"presets": rows, "variants": VARIANTS}, indent=2))
+        return 0
+    if not args.preset:
+        print("sinklm info: name a preset (or pass --list to see them)", file=sys.stderr)
+        return 2
+    try:
+        config = ModelConfig.from_preset(args.preset, variant=args.variant)
+        if args.softmax is not None:
+            config = config.replace(attention={"softmax": args.softmax})
+        if args.sink_tokens is not None:
+            config = config.replace(sink_tokens=args.sink_tokens)
+    except ConfigError as error:
+        print(f"sinklm info: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({"name": config.name, "params": count_params(config),
+                      "config": config.to_dict()}, indent=2))
+    return 0

@@ -1,0 +1,156 @@
+"""Interop with transformers' ``GPTNeoXForCausalLM``.
+
+Our modules use transformers' weight names and fused per-head QKV layout, so converting is
+mostly checking: configs map field by field, and state dicts differ only in non-parameter
+buffers (older transformers versions saved causal-mask and rotary buffers) and, for variants
+GPT-NeoX cannot express, in their extra parameters (``sink_logit``, ``gate``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from .config import ConfigError, ModelConfig
+from .model import CausalLM
+
+if TYPE_CHECKING:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+# transformers' activation names and the GELU form each one computes.
+HF_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+HF_GELU_NAME = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
+# Buffers older transformers versions stored in checkpoints; they carry no learned state.
+HF_BUFFER_SUFFIXES = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
+# Parameters only our variants have: a plain GPT-NeoX has no slot for them.
+VARIANT_PARAM_SUFFIXES = ("attention.sink_logit", "attention.gate.weight", "attention.gate.bias")
+
+
+def _rope_setting(hf_config: Any, key: str, legacy: str, default: float) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if key in rope:
+        return float(rope[key])
+    return float(getattr(hf_config, legacy, default))
+
+
+def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelConfig:
+    """Our config for a transformers GPTNeoX config; refuses what our network cannot express."""
+    if getattr(hf_config, "model_type", None) != "gpt_neox":
+        raise ConfigError(
+            f"model_type={getattr(hf_config, 'model_type', None)!r}: only GPT-NeoX (Pythia) "
+            "checkpoints convert; pass a GPTNeoX model"
+        )
+    if not getattr(hf_config, "use_parallel_residual", True):
+        raise ConfigError("use_parallel_residual=False: sinklm models use the parallel residual")
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ConfigError("tie_word_embeddings=True: sinklm models have untied embeddings")
+    if not getattr(hf_config, "attention_bias", True):
+        raise ConfigError("attention_bias=False: sinklm models have biases on every linear layer")
+    if hf_config.hidden_act not in HF_GELU:
+        raise ConfigError(f"hidden_act={hf_config.hidden_act!r}: allowed {sorted(HF_GELU)}")
+    if hf_config.intermediate_size % hf_config.hidden_size:
+        raise ConfigError(
+            f"intermediate_size={hf_config.intermediate_size} is not a multiple of "
+            f"hidden_size={hf_config.hidden_size}"
+        )
+    extra = getattr(hf_config, "sinklm", None) or {}
+    return ModelConfig(
+        name=name or extra.get("name") or getattr(hf_config, "name_or_path", "") or "gpt_neox",
+        vocab_size=hf_config.vocab_size,
+        n_layer=hf_config.num_hidden_layers,
+        n_head=hf_config.num_attention_heads,
+        d_model=hf_config.hidden_size,
+        max_seq_len=hf_config.max_position_embeddings,
+        rotary_pct=_rope_setting(hf_config, "partial_rotary_factor", "rotary_pct", 0.25),
+        rotary_base=_rope_setting(hf_config, "rope_theta", "rotary_emb_base", 10000.0),
+        mlp_ratio=hf_config.intermediate_size // hf_config.hidden_size,
+        layer_norm_eps=hf_config.layer_norm_eps,
+        gelu_approximate=HF_GELU[hf_config.hidden_act],  # type: ignore[arg-type]
+        attention={"softmax": extra.get("attention_softmax", "softmax"), "backend": "sdpa"},
+        sink_tokens=int(extra.get("sink_tokens", 0)),
+    )
+
+
+def hf_config_from(config: ModelConfig) -> GPTNeoXConfig:
+    """The transformers GPTNeoX config of our network (its attention variant aside)."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        intermediate_size=config.d_mlp,
+        hidden_act=HF_GELU_NAME[config.gelu_approximate],
+        max_position_embeddings=config.max_seq_len,
+        layer_norm_eps=config.layer_norm_eps,
+        rotary_pct=config.rotary_pct,
+        rotary_emb_base=config.rotary_base,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def from_hf_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A transformers GPTNeoXForCausalLM state dict as ours: buffers dropped, head renamed.
+
+    Pythia's checkpoints (and transformers 4) call the output head ``embed_out``;
+    transformers 5 calls it ``lm_head`` in memory. Ours is ``embed_out``.
+    """
+    return {
+        ("embed_out.weight" if k == "lm_head.weight" else k): v
+        for k, v in state_dict.items()
+        if not k.endswith(HF_BUFFER_SUFFIXES)
+    }
+
+
+def to_hf_state_dict(model: CausalLM) -> dict[str, Tensor]:
+    """Our weights under transformers' names; refuses parameters GPT-NeoX has no slot for."""
+    state = model.state_dict()
+    extra = sorted(k for k in state if k.endswith(VARIANT_PARAM_SUFFIXES))
+    if extra:
+        raise ConfigError(
+            f"attention.softmax={model.config.attention.softmax!r} has parameters a plain "
+            f"GPTNeoXForCausalLM cannot hold ({extra[0]}, ...); export it with its modeling code"
+        )
+    return dict(state)
+
+
+def _rename_head_for(hf_model: GPTNeoXForCausalLM, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Use the head name this transformers version has in memory (``embed_out``/``lm_head``)."""
+    if hasattr(hf_model, "lm_head") and "embed_out.weight" in state:
+        state = dict(state)
+        state["lm_head.weight"] = state.pop("embed_out.weight")
+    return state
+
+
+def from_hf_model(hf_model: GPTNeoXForCausalLM, backend: str = "sdpa") -> CausalLM:
+    """Our model with the weights of a transformers GPTNeoXForCausalLM."""
+    config = config_from_hf(hf_model.config)
+    config = config.replace(attention={"backend": backend})
+    model = CausalLM(config)
+    model.load_state_dict(from_hf_state_dict(hf_model.state_dict()), strict=True)
+    return model.to(next(hf_model.parameters()).dtype)
+
+
+def to_hf_model(model: CausalLM) -> GPTNeoXForCausalLM:
+    """A transformers GPTNeoXForCausalLM with our weights (softmax models only)."""
+    from transformers import GPTNeoXForCausalLM
+
+    if model.config.attention.softmax != "softmax":
+        raise ConfigError(
+            f"attention.softmax={model.config.attention.softmax!r}: a plain GPTNeoXForCausalLM "
+            "computes vanilla softmax only; export this variant with its modeling code"
+        )
+    hf_model = GPTNeoXForCausalLM(hf_config_from(model.config))
+    missing, unexpected = hf_model.load_state_dict(
+        _rename_head_for(hf_model, to_hf_state_dict(model)), strict=False
+    )
+    missing = [k for k in missing if not k.endswith(HF_BUFFER_SUFFIXES)]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    return hf_model.to(next(model.parameters()).dtype)
