@@ -28,6 +28,13 @@ VARIANTS: dict[str, tuple[str, int]] = {
 }
 
 
+def variant_name(config: ModelConfig) -> str:
+    """The named variant of a config (``sink_token``, ...), or ``softmax1+2sinks`` style."""
+    point = (config.attention.softmax, config.sink_tokens)
+    named = [name for name, value in VARIANTS.items() if value == point]
+    return named[0] if named else f"{point[0]}+{point[1]}sinks"
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field and what is allowed."""
 

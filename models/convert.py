@@ -23,6 +23,8 @@ HF_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gel
 HF_GELU_NAME = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 # Buffers older transformers versions stored in checkpoints; they carry no learned state.
 HF_BUFFER_SUFFIXES = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
+# GPT-NeoX, and sinklm's exports of the variants GPT-NeoX lacks (models/configuration_sinklm.py).
+HF_MODEL_TYPES = ("gpt_neox", "sinklm")
 # Parameters only our variants have: a plain GPT-NeoX has no slot for them.
 VARIANT_PARAM_SUFFIXES = ("attention.sink_logit", "attention.gate.weight", "attention.gate.bias")
 
@@ -36,7 +38,7 @@ def _rope_setting(hf_config: Any, key: str, legacy: str, default: float) -> floa
 
 def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelConfig:
     """Our config for a transformers GPTNeoX config; refuses what our network cannot express."""
-    if getattr(hf_config, "model_type", None) != "gpt_neox":
+    if getattr(hf_config, "model_type", None) not in HF_MODEL_TYPES:
         raise ConfigError(
             f"model_type={getattr(hf_config, 'model_type', None)!r}: only GPT-NeoX (Pythia) "
             "checkpoints convert; pass a GPTNeoX model"

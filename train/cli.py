@@ -11,7 +11,16 @@ import importlib
 import sys
 
 # Packages whose cli.py registers subcommands, in the order --help lists them.
-COMMAND_MODULES = ("sinklm.models.cli",)
+COMMAND_MODULES = (
+    "sinklm.models.cli",
+    "sinklm.data.cli",
+    "sinklm.train.fit_cli",
+    "sinklm.eval.cli",
+    "sinklm.eval.hub_cli",
+    "sinklm.train.slurm",
+)
+# Subcommands that parse their own arguments (LightningCLI): argv goes to them untouched.
+PASSTHROUGH = {"fit": "sinklm.train.fit:run_fit"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        module, function = PASSTHROUGH[argv[0]].split(":")
+        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

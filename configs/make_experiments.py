@@ -1,0 +1,176 @@
+"""Write configs/experiments/*.yaml: one full `sinklm fit` config per (size, variant).
+
+    python configs/make_experiments.py        # rewrites the YAML files from the table below
+
+Each YAML is complete on its own (no includes), so a run's config is readable in one place;
+this script keeps the family consistent. tests/test_train_configs.py checks that the files
+match it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+OUT = Path(__file__).parent / "experiments"
+
+# Pythia's recipe (Biderman et al. 2023) as the StreamingLLM paper used it for 160M: seq 2048,
+# global batch 256, 143k steps, AdamW (0.9, 0.95, eps 1e-8), warmup 1%, cosine to 10%,
+# clipping 1.0, bf16. Peak learning rates are Pythia's per size.
+PYTHIA = {
+    # preset: (peak lr, micro-batch per GPU, accumulation on 8 GPUs) -> 8 x micro x acc = 256
+    "pythia-14m": (1.0e-3, 32, 1),
+    "pythia-70m": (1.0e-3, 32, 1),
+    "pythia-160m": (6.0e-4, 32, 1),
+    "pythia-410m": (3.0e-4, 16, 2),
+}
+PAPER_VARIANTS = ("vanilla", "zero_sink", "sink_token")
+NEW_VARIANTS = ("sink_logit", "gated", "two_sink_tokens")
+
+
+def pythia_config(preset: str, variant: str) -> dict[str, Any]:
+    lr, micro, accumulate = PYTHIA[preset]
+    name = f"{preset}-{variant}"
+    return {
+        "seed_everything": 1234,
+        "trainer": {
+            "accelerator": "gpu",
+            "devices": 8,
+            "num_nodes": 1,
+            "strategy": "ddp",
+            "precision": "bf16-mixed",
+            "max_steps": 143_000,
+            "accumulate_grad_batches": accumulate,
+            "gradient_clip_val": 1.0,
+            "log_every_n_steps": 10,
+            "val_check_interval": 1000,
+            "limit_val_batches": 20,
+            "check_val_every_n_epoch": None,
+            "default_root_dir": f"runs/{name}",
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.WandbLogger",
+                "init_args": {"project": "sinklm", "name": name, "offline": True,
+                              "save_dir": f"runs/{name}"},
+            },
+        },
+        "model": {
+            "preset": preset,
+            "variant": variant,
+            "backend": "sdpa",
+            "optimizer": {"lr": lr, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
+                          "warmup_fraction": 0.01, "min_lr_ratio": 0.1},
+        },
+        "data": {
+            # Pythia's pre-tokenized, pre-shuffled deduplicated Pile (download
+            # EleutherAI/pile-deduped-pythia-preshuffled and merge its shards, as the Pythia
+            # README says): read in order, so step s sees the rows Pythia saw at step s.
+            # Or pack the Pile yourself: `sinklm prepare-data --config
+            # configs/data/pile_deduped.yaml` and set data.path: packed/pile_deduped instead.
+            "megatron_path": "data/pile-deduped-pythia-preshuffled/document",
+            "seq_len": 2048,
+            "micro_batch_size": micro,
+            "global_batch_size": 256,  # = micro x 8 GPUs x accumulate_grad_batches
+            "num_workers": 4,
+        },
+        "checkpoint": {"every_n_train_steps": 1000},
+        "sink_probe": {"every_n_steps": 500},
+        "ckpt_path": "auto",
+    }
+
+
+def tiny_config(variant: str) -> dict[str, Any]:
+    """tiny-5m on the local public-domain corpus: minutes on a laptop CPU."""
+    name = f"tiny-{variant}"
+    return {
+        "seed_everything": 1234,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": "32-true",
+            "max_steps": 400,
+            "gradient_clip_val": 1.0,
+            "log_every_n_steps": 10,
+            "val_check_interval": 100,
+            "limit_val_batches": 8,
+            "check_val_every_n_epoch": None,
+            "default_root_dir": f"runs/{name}",
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": f"runs/{name}", "name": "logs"},
+            },
+        },
+        "model": {
+            "preset": "tiny-5m",
+            "variant": variant,
+            "backend": "sdpa",
+            "optimizer": {"lr": 2.0e-3, "betas": [0.9, 0.95], "eps": 1.0e-8,
+                          "weight_decay": 0.1, "warmup_fraction": 0.05, "min_lr_ratio": 0.1},
+        },
+        "data": {
+            "path": "packed/english_pd_mix-bpe4k",
+            "seq_len": 512,
+            "micro_batch_size": 8,
+            "num_workers": 0,
+        },
+        "checkpoint": {"every_n_train_steps": 100},
+        "sink_probe": {"every_n_steps": 50},
+        "ckpt_path": "auto",
+    }
+
+
+TINY_SETUP = (
+    "Data first (once): sinklm train-tokenizer --source "
+    "../shared/data/corpus/english_pd_mix.jsonl.gz --reflow --vocab-size 4088 --output "
+    "tokenizers/english_pd_4k && sinklm prepare-data --config "
+    "configs/data/local_corpus_bpe4k.yaml"
+)
+
+
+HEADER = """\
+# {name}: {what}
+# Written by configs/make_experiments.py; edit the script, not this file.
+#   sinklm fit --config configs/experiments/{name}.yaml
+# {batch}
+"""
+
+
+def write(name: str, config: dict[str, Any], what: str, batch: str) -> None:
+    text = HEADER.format(name=name, what=what, batch=batch)
+    text += yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+    (OUT / f"{name}.yaml").write_text(text)
+
+
+def experiments() -> dict[str, tuple[dict[str, Any], str, str]]:
+    """Every experiment config: name -> (config, one-line description, batch note)."""
+    found: dict[str, tuple[dict[str, Any], str, str]] = {}
+    for preset, (_, micro, accumulate) in PYTHIA.items():
+        variants = PAPER_VARIANTS + (NEW_VARIANTS if preset == "pythia-160m" else ())
+        for variant in variants:
+            batch = (f"Global batch 256 = micro-batch {micro} x 8 GPUs x {accumulate} "
+                     "accumulation; on other GPU counts change trainer.devices/num_nodes and "
+                     "trainer.accumulate_grad_batches (checked before training starts).")
+            found[f"{preset}-{variant}"] = (
+                pythia_config(preset, variant),
+                f"{preset} {variant}, Pythia's recipe on the deduplicated Pile (StreamingLLM "
+                "sec. 4.2 for 160m)",
+                batch,
+            )
+    for variant in PAPER_VARIANTS:
+        found[f"tiny-{variant}"] = (
+            tiny_config(variant),
+            f"tiny-5m {variant} on the local corpus, a few minutes on 2 CPU cores",
+            TINY_SETUP,
+        )
+    return found
+
+
+def main() -> None:
+    OUT.mkdir(exist_ok=True)
+    for name, (config, what, batch) in experiments().items():
+        write(name, config, what, batch)
+
+
+if __name__ == "__main__":
+    main()

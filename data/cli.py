@@ -1,0 +1,168 @@
+"""``sinklm prepare-data`` and ``sinklm train-tokenizer``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import DataError
+from .packing import PrepareConfig, prepare_data
+from .sources import Source, SourceSpec
+from .tokenizer import (
+    DEFAULT_TOKENIZER,
+    eod_token_id,
+    save_tokenizer,
+    tokenizer_hash,
+    train_tokenizer,
+)
+
+# CLI flag -> SourceSpec field; flags left unset keep the YAML's (or the default) value.
+_SOURCE_FLAGS = {
+    "source": "path",
+    "name": "name",
+    "split": "split",
+    "text_field": "text_field",
+    "streaming": "streaming",
+    "revision": "revision",
+    "reflow": "reflow",
+    "cache_dir": "cache_dir",
+}
+_PREPARE_FLAGS = ("output", "tokenizer", "val_fraction", "seed", "max_tokens", "shard_tokens",
+                  "overwrite")
+
+
+def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("source (flags override the --config file)")
+    group.add_argument("--config", metavar="FILE",
+                       help="a YAML data config, e.g. configs/data/local_corpus.yaml")
+    group.add_argument("--source", metavar="PATH_OR_HUB_ID",
+                       help="a .txt/.jsonl/.jsonl.gz/.parquet file, a folder of them, or a Hub id")
+    group.add_argument("--name", help="the Hub dataset's config name")
+    group.add_argument("--split", help="the Hub split (default train)")
+    group.add_argument("--text-field", help="the field holding the text (default text)")
+    group.add_argument("--revision", help="a Hub branch, tag or commit")
+    group.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
+                       help="stream a Hub dataset instead of downloading it first")
+    group.add_argument("--reflow", action=argparse.BooleanOptionalAction, default=None,
+                       help="join hard-wrapped lines into paragraphs (Gutenberg text)")
+    group.add_argument("--cache-dir", help="the datasets cache folder")
+
+
+def _read_config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise DataError(f"{path}: cannot read the data config ({error})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: a data config is a mapping of keys (source, output, ...)")
+    return data
+
+
+def _merged(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The --config file's values with every flag the user gave on top."""
+    data = _read_config(args.config)
+    source = data.get("source", {})
+    if isinstance(source, str):
+        source = {"path": source}
+    for flag, key in _SOURCE_FLAGS.items():
+        if getattr(args, flag) is not None:
+            source[key] = getattr(args, flag)
+    if not source.get("path"):
+        raise DataError("no source: pass --source PATH_OR_HUB_ID (or a --config with source)")
+    data["source"] = source
+    for key in keys:
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    return data
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    prepare = subparsers.add_parser(
+        "prepare-data",
+        help="tokenize a corpus into packed token shards (reused when inputs are unchanged)",
+        description="Tokenize documents (a Hub dataset or local files) in parallel, append the "
+        "end-of-document id to each, split train/validation by document, and write "
+        "memory-mapped token shards plus DIR/meta.json. A second run with the same inputs "
+        "reuses DIR; other inputs are refused unless --overwrite.",
+        epilog="example: sinklm prepare-data --reflow --val-fraction 0.05 \\\n"
+        "           --source ../shared/data/corpus/english_pd_mix.jsonl.gz \\\n"
+        "           --tokenizer ../shared/data/tokenizers/gpt-neox-20b/tokenizer.json \\\n"
+        "           --output packed/english_pd_mix\n"
+        "         sinklm prepare-data --config configs/data/local_corpus.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_source_arguments(prepare)
+    prepare.add_argument("--tokenizer", help=f"tokenizer.json, a folder, or a Hub id "
+                         f"(default {DEFAULT_TOKENIZER}, Pythia's)")
+    prepare.add_argument("--output", metavar="DIR", help="the packed-data folder to write")
+    prepare.add_argument("--val-fraction", type=float, metavar="F",
+                         help="share of documents for validation (default 0)")
+    prepare.add_argument("--seed", type=int, help="seed of the train/validation split (default 0)")
+    prepare.add_argument("--max-tokens", type=int, metavar="N",
+                         help="stop after about N tokens (for streamed sets)")
+    prepare.add_argument("--shard-tokens", type=int, metavar="N",
+                         help="tokens per shard file (default 2**30)")
+    prepare.add_argument("--overwrite", action="store_true", default=None,
+                         help="rebuild DIR when it was built from other inputs")
+    prepare.set_defaults(func=run_prepare)
+
+    train = subparsers.add_parser(
+        "train-tokenizer",
+        help="train a byte-level BPE tokenizer (GPT-NeoX style) on a corpus",
+        description="Train a byte-level BPE with <|endoftext|> (id 0) and <|padding|> (id 1), "
+        "NFC normalisation and GPT-NeoX's pre-tokenizer, and write DIR/tokenizer.json. Leave "
+        "room below the model's vocab_size for sink tokens.",
+        epilog="example: sinklm train-tokenizer --reflow \\\n"
+        "           --source ../shared/data/corpus/english_pd_mix.jsonl.gz \\\n"
+        "           --vocab-size 8000 --output tokenizers/english_pd_8k",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_source_arguments(train)
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="ids in total, special tokens included")
+    train.add_argument("--output", required=True, metavar="DIR",
+                       help="folder for tokenizer.json")
+    train.add_argument("--min-frequency", type=int, default=2,
+                       help="a pair must occur this often to be merged (default 2)")
+    train.set_defaults(func=run_train_tokenizer)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    try:
+        config = PrepareConfig.from_dict(_merged(args, _PREPARE_FLAGS))
+        meta = prepare_data(config)
+    except DataError as error:
+        print(f"sinklm prepare-data: {error}", file=sys.stderr)
+        return 2
+    splits = {
+        name: {"documents": s["documents"], "tokens": s["tokens"]}
+        for name, s in meta["splits"].items()
+    }
+    print(json.dumps({"output": config.output, "dtype": meta["dtype"], "splits": splits,
+                      "tokenizer_hash": meta["tokenizer_hash"]}, indent=2))
+    return 0
+
+
+def run_train_tokenizer(args: argparse.Namespace) -> int:
+    try:
+        spec = SourceSpec.from_dict(_merged(args, ())["source"])
+        source = Source(spec)
+        texts = (text for batch in source.iter_texts() for text in batch)
+        tokenizer = train_tokenizer(texts, args.vocab_size, args.min_frequency,
+                                    length=source.num_documents)
+        path = save_tokenizer(tokenizer, args.output)
+    except DataError as error:
+        print(f"sinklm train-tokenizer: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({"tokenizer": str(path),
+                      "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+                      "eod_id": eod_token_id(tokenizer), "hash": tokenizer_hash(tokenizer)},
+                     indent=2))
+    return 0

@@ -1,0 +1,229 @@
+"""Load a model, its tokenizer and its sink ids from whatever a user points at.
+
+One entry point, :func:`load_checkpoint`, so every evaluator accepts the same ``--checkpoint``.
+Supported: a Lightning checkpoint written by ``sinklm fit`` (``.ckpt``: it carries the model
+config, the tokenizer with its sink tokens and the sink ids), a folder written by
+``sinklm export``, a transformers GPTNeoX folder (``save_pretrained`` output, e.g. a
+downloaded Pythia) and a Hugging Face Hub id such as ``EleutherAI/pythia-160m``. For the
+folders, sink metadata comes from the ``sinklm`` dict of config.json (``attention_softmax``,
+``sink_tokens``, ``sink_token_ids``); a plain Pythia has none, i.e. vanilla softmax and no sink
+ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from sinklm.models import CausalLM, ConfigError, ModelConfig
+from sinklm.models.config import variant_name
+from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
+from sinklm.models.convert import config_from_hf, from_hf_model, from_hf_state_dict
+from sinklm.train.module import CHECKPOINT_KEY, SINK_IDS_KEY, TOKENIZER_KEY
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# The precisions an evaluator may load weights in, by their command-line names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded or does not fit its tokenizer; the message says which."""
+
+
+@dataclass
+class Checkpoint:
+    """A model in eval mode with the tokenizer and sink ids it was trained with."""
+
+    model: CausalLM
+    tokenizer: Tokenizer
+    sink_token_ids: list[int]
+    name: str
+    source: str
+
+    def describe(self) -> dict[str, Any]:
+        """What results files record about the model."""
+        config = self.model.config
+        return {
+            "name": self.name,
+            "source": self.source,
+            "softmax": config.attention.softmax,
+            "sink_tokens": config.sink_tokens,
+            "max_seq_len": config.max_seq_len,
+            "params": self.model.num_params(),
+        }
+
+
+def load_checkpoint(
+    path: str | Path,
+    tokenizer: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Checkpoint:
+    """The model at ``path`` (a .ckpt, an exported or GPTNeoX folder, a Hub id) and tokenizer.
+
+    ``tokenizer`` (a tokenizer.json) overrides the one stored with the checkpoint.
+    """
+    text = str(path)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise CheckpointError(
+                f"{local} has no config.json: expected a transformers GPTNeoX folder "
+                "(save_pretrained output)"
+            )
+        model, sink_ids, name = _load_transformers(str(local))
+        source = str(local.resolve())
+    elif local.is_file() and local.suffix == ".ckpt":
+        model, sink_ids, name, stored_tokenizer = _load_lightning(local)
+        source = str(local.resolve())
+    elif local.exists():
+        raise CheckpointError(
+            f"{local} is a file but not a `sinklm fit` checkpoint (.ckpt): --checkpoint takes "
+            "a .ckpt, an exported or transformers GPTNeoX folder, or a Hub id"
+        )
+    elif HUB_ID.fullmatch(text):
+        model, sink_ids, name = _load_transformers(text)
+        source = text
+    else:
+        raise CheckpointError(f"{text}: no such folder, and not a Hub id like org/name")
+    if tokenizer is not None:
+        tok = _tokenizer_file(Path(tokenizer).expanduser())
+    elif local.is_file():
+        tok = stored_tokenizer
+    elif local.is_dir():
+        tok = _tokenizer_file(local / "tokenizer.json")
+    else:
+        tok = _hub_tokenizer(text)
+    check_tokenizer(model, tok, sink_ids)
+    model = model.to(device=device, dtype=dtype).eval()
+    return Checkpoint(model, tok, sink_ids, name, source)
+
+
+def _sink_metadata(extra: dict[str, Any], sink_tokens: int) -> list[int]:
+    ids = [int(i) for i in extra.get("sink_token_ids") or []]
+    if len(ids) != sink_tokens:
+        raise CheckpointError(
+            f"config.json says sink_tokens={sink_tokens} but lists sink_token_ids={ids}: "
+            "the checkpoint's sinklm metadata is incomplete"
+        )
+    return ids
+
+
+def _load_lightning(path: Path) -> tuple[CausalLM, list[int], str, Tokenizer]:
+    """A `sinklm fit` checkpoint: the network's weights, config, tokenizer and sink ids."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as error:  # torch raises several kinds for a damaged or foreign file
+        raise CheckpointError(f"{path}: not a readable checkpoint ({error})") from error
+    if CHECKPOINT_KEY not in checkpoint or TOKENIZER_KEY not in checkpoint:
+        raise CheckpointError(
+            f"{path} was not written by `sinklm fit` (no model config or tokenizer in it)"
+        )
+    config = ModelConfig.from_dict(checkpoint[CHECKPOINT_KEY]).replace(
+        attention={"backend": "sdpa"}
+    )
+    model = CausalLM(config)
+    prefix = "model."
+    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items()
+             if k.startswith(prefix)}
+    model.load_state_dict(state, strict=True)
+    name = f"{config.name}-{variant_name(config)}"
+    tokenizer = Tokenizer.from_str(checkpoint[TOKENIZER_KEY])
+    return model, [int(i) for i in checkpoint[SINK_IDS_KEY]], name, tokenizer
+
+
+def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:
+    """A GPTNeoX model by transformers' own loading (local folder or Hub), sink metadata kept.
+
+    Exported variants GPT-NeoX cannot express have model_type ``sinklm``; their config is read
+    with our own config class, so no remote code runs.
+    """
+    from transformers import AutoConfig, GPTNeoXForCausalLM, PretrainedConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        data, _ = PretrainedConfig.get_config_dict(path)
+        hf_config = (
+            SinkLMConfig.from_dict(data) if data.get("model_type") == MODEL_TYPE
+            else AutoConfig.from_pretrained(path)
+        )
+        config = config_from_hf(hf_config)
+    except ConfigError as error:
+        raise CheckpointError(f"{path}: {error}") from error
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: cannot read a transformers config ({error})") from error
+    extra = getattr(hf_config, "sinklm", None) or {}
+    sink_ids = _sink_metadata(extra, config.sink_tokens)
+    name = extra.get("name") or Path(path).name
+    if config.attention.softmax == "softmax":
+        hf_model = GPTNeoXForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return from_hf_model(hf_model), sink_ids, name
+    # Variants a plain GPTNeoX cannot hold (sink_logit, gate) are read as our own state dict.
+    model = CausalLM(config)
+    model.load_state_dict(from_hf_state_dict(_read_safetensors(path)), strict=True)
+    return model, sink_ids, name
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's model.safetensors (single file or an indexed set of shards)."""
+    from huggingface_hub import snapshot_download
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if not folder.is_dir():
+        folder = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors for its sinklm attention variant")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state |= {k: v.float() for k, v in load_file(str(folder / file)).items()}
+    return state
+
+
+def _tokenizer_file(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise CheckpointError(f"no tokenizer at {path}; pass --tokenizer PATH/tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises plain Exception on a malformed file
+        raise CheckpointError(f"{path} is not a tokenizers tokenizer.json ({error})") from error
+
+
+def _hub_tokenizer(hub_id: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_pretrained(hub_id)
+    except Exception as error:  # tokenizers raises plain Exception for Hub failures
+        raise CheckpointError(f"cannot load the tokenizer of {hub_id} ({error})") from error
+
+
+def check_tokenizer(model: CausalLM, tokenizer: Tokenizer, sink_ids: list[int]) -> None:
+    """Refuse a tokenizer that cannot belong to the model (its ids or the sink ids collide)."""
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    rows = model.config.vocab_size
+    if vocab > rows:
+        raise CheckpointError(
+            f"the tokenizer has {vocab} ids but the model embeds only {rows}: "
+            "the tokenizer does not match the checkpoint"
+        )
+    added = tokenizer.get_added_tokens_decoder()
+    for sink in sink_ids:
+        if not 0 <= sink < rows:
+            raise CheckpointError(f"sink id {sink} is outside the model's {rows}-row embedding")
+        token = tokenizer.id_to_token(sink)
+        if token is not None and not (sink in added and added[sink].special):
+            raise CheckpointError(
+                f"sink id {sink} is the ordinary token {token!r} in this tokenizer: "
+                "the tokenizer does not match the checkpoint"
+            )

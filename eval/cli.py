@@ -1,0 +1,232 @@
+"""``sinklm stream-eval`` (streaming perplexity under KV cache policies) and ``sinklm sinks``
+(where attention goes), on any checkpoint ``load_checkpoint`` reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sinklm.models import ConfigError
+
+from .cache import CacheSpecError, Recompute, paper_caches, parse_caches
+from .checkpoint import DTYPES, Checkpoint, CheckpointError, load_checkpoint
+from .report import format_ppl, markdown_table, write_outputs
+from .sinks import classify_positions, make_windows, markdown_summary, measure_sinks, plot_sinks
+from .streaming import DEFAULT_CHUNK, CacheResult, StreamError, evaluate
+from .texts import TextSourceError, check_files, encode_streams, read_dataset, read_files
+
+USER_ERRORS = (CacheSpecError, CheckpointError, ConfigError, StreamError, TextSourceError)
+
+
+class UsageError(ValueError):
+    """Bad command-line input that argparse itself cannot see."""
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="P",
+        help="a transformers GPTNeoX folder (with tokenizer.json) or a Hub id "
+        "such as EleutherAI/pythia-160m",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", action="append", metavar="FILE",
+                        help="a UTF-8 text file, one stream per file (repeatable)")
+    source.add_argument("--dataset", metavar="HUB_ID[:split]",
+                        help="a datasets id (or local dataset folder), one stream per row; "
+                        "split defaults to test, e.g. deepmind/pg19:test")
+    parser.add_argument("--text-column", default="text", help="dataset column with the text")
+    parser.add_argument("--tokenizer", metavar="FILE",
+                        help="tokenizer.json to use instead of the checkpoint's")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    stream = subparsers.add_parser(
+        "stream-eval",
+        help="streaming perplexity with StreamingLLM KV caches (x initial + y recent tokens)",
+        description="Perplexity of a long stream (the text tokenized as one string, the "
+        "model's sink ids in front) when the KV cache keeps the first X and the Y most recent "
+        "tokens, with positions re-assigned inside the cache. Writes results.json, per-token "
+        "losses (.npz) and a running-perplexity plot (.png) beside it, and prints the table.",
+        epilog="example: sinklm stream-eval --checkpoint EleutherAI/pythia-160m \\\n"
+        "           --dataset deepmind/pg19:test --max-tokens 65536 \\\n"
+        "           --cache 0+1024,1+1023,2+1022,4+1020,dense --output results.json\n"
+        "caches: X+Y (0+Y is window attention), dense, recompute:L[:S] (sliding window of L\n"
+        "tokens re-encoded for each token, or every S tokens). Default: the paper's grid with\n"
+        "X+Y = half the model's trained context.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(stream)
+    stream.add_argument("--cache", help="comma-separated cache specs")
+    stream.add_argument("--max-tokens", type=int, metavar="N",
+                        help="evaluate the first N text tokens (across streams, in order)")
+    stream.add_argument("--reference", action="store_true",
+                        help="use the token-by-token reference evaluator (slow, the definition)")
+    stream.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
+                        help="queries per step of the fast evaluator")
+    stream.add_argument("--output", type=Path, default=Path("results.json"),
+                        help="results JSON; the .npz and .png go beside it")
+    stream.set_defaults(func=run_stream_eval)
+
+    sinks = subparsers.add_parser(
+        "sinks",
+        help="attention-sink diagnostics: attention on the first positions per layer and head",
+        description="Measure where attention goes on windows of a text (each starting with the "
+        "model's sink ids): mean attention to the first positions per layer and head, Gu et "
+        "al.'s Sink_k^eps (share of heads whose mean attention to position k exceeds eps), the "
+        "implicit sink's mass (softmax1, sink_logit), and which tokens each head attends to "
+        "(first position, sink ids, newline, punctuation, other). Writes JSON and plots.",
+        epilog="example: sinklm sinks --checkpoint EleutherAI/pythia-160m \\\n"
+        "           --text book.txt --window 512 --windows 8 --output sinks/pythia-160m.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(sinks)
+    sinks.add_argument("--window", type=int,
+                       help="tokens per window, sink ids included (default: min(512, context))")
+    sinks.add_argument("--windows", type=int, default=4, help="windows to average over")
+    sinks.add_argument("--first", type=int, default=4, help="report the first K positions")
+    sinks.add_argument("--eps", type=float, default=0.3, help="Sink_k^eps threshold")
+    sinks.add_argument("--map-size", type=int, default=16,
+                       help="positions shown in the attention-map plot")
+    sinks.add_argument("--output", type=Path, default=Path("sinks.json"),
+                       help="JSON report; plots go beside it")
+    sinks.set_defaults(func=run_sinks)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"sinklm {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def _warn(command: str, message: str) -> None:
+    print(f"sinklm {command}: warning: {message}", file=sys.stderr)
+
+
+def _load(args: argparse.Namespace) -> Checkpoint:
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    return load_checkpoint(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
+                           dtype=DTYPES[args.dtype])
+
+
+def _documents(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    if args.text:
+        return read_files(args.text)
+    return read_dataset(args.dataset, args.text_column)
+
+
+def run_stream_eval(args: argparse.Namespace) -> int:
+    command = "stream-eval"
+    try:
+        if args.max_tokens is not None and args.max_tokens < 2:
+            raise UsageError(f"--max-tokens {args.max_tokens}: must be at least 2")
+        if args.chunk_size < 1:
+            raise UsageError(f"--chunk-size {args.chunk_size}: must be at least 1")
+        policies = parse_caches(args.cache) if args.cache is not None else None
+        if args.text:
+            check_files(args.text)
+        checkpoint = _load(args)
+        config = checkpoint.model.config
+        if policies is None:
+            policies = paper_caches(config.max_seq_len // 2)
+        sink_ids = checkpoint.sink_token_ids
+        streams = encode_streams(_documents(args), checkpoint.tokenizer, sink_ids,
+                                 args.max_tokens)
+        longest = max(len(s.ids) for s in streams)
+        for policy in policies:
+            top = policy.max_position(longest)
+            if top >= config.max_seq_len:
+                _warn(command, f"cache {policy.label}: queries reach position {top}, past the "
+                      f"{config.max_seq_len} positions (0..{config.max_seq_len - 1}) the model "
+                      "was trained on")
+            if isinstance(policy, Recompute) and policy.window <= len(sink_ids):
+                raise UsageError(f"cache {policy.label}: the window must be longer than the "
+                                 f"{len(sink_ids)} sink ids")
+
+        def report(result: CacheResult) -> None:
+            print(f"cache {result.policy.label}: ppl {format_ppl(result.ppl)} over "
+                  f"{result.tokens} tokens, {result.tokens_per_second:,.0f} tokens/s",
+                  file=sys.stderr)
+            for note in result.notes:
+                _warn(command, f"cache {result.policy.label}: {note}")
+
+        results = evaluate(checkpoint.model, [s.ids.to(args.device) for s in streams], policies,
+                           sinks=len(sink_ids), reference=args.reference,
+                           chunk_size=args.chunk_size, on_result=report)
+    except (*USER_ERRORS, UsageError) as error:
+        return _fail(command, str(error))
+    header = {
+        "checkpoint": args.checkpoint,
+        "model": checkpoint.describe(),
+        "sink_token_ids": sink_ids,
+        "tokens": sum(s.text_tokens - 1 for s in streams),
+        "text_tokens": sum(s.text_tokens for s in streams),
+        "streams": [{"name": s.name, "text_tokens": s.text_tokens} for s in streams],
+        "evaluator": "reference" if args.reference else "fast",
+        "device": str(args.device),
+        "dtype": args.dtype,
+    }
+    label = _row_label(checkpoint)
+    document = write_outputs(args.output, header, results,
+                             [s.text_tokens - 1 for s in streams], title=label)
+    print(markdown_table([(label, document["results"])]))
+    print(f"\nresults: {args.output}\nlosses: {document['losses']}\nplot: {document['plot']}")
+    return 0
+
+
+def _row_label(checkpoint: Checkpoint) -> str:
+    config = checkpoint.model.config
+    return f"{checkpoint.name} ({config.attention.softmax}, sink_tokens={config.sink_tokens})"
+
+
+def run_sinks(args: argparse.Namespace) -> int:
+    command = "sinks"
+    try:
+        for name, value, low in (("--windows", args.windows, 1), ("--first", args.first, 1),
+                                 ("--map-size", args.map_size, 1)):
+            if value < low:
+                raise UsageError(f"{name} {value}: must be at least {low}")
+        if not 0.0 <= args.eps < 1.0:
+            raise UsageError(f"--eps {args.eps}: must lie in [0, 1)")
+        if args.text:
+            check_files(args.text)
+        checkpoint = _load(args)
+        config = checkpoint.model.config
+        window = args.window if args.window is not None else min(512, config.max_seq_len)
+        sink_ids = checkpoint.sink_token_ids
+        if window <= len(sink_ids) + 1:
+            raise UsageError(f"--window {window}: must hold the {len(sink_ids)} sink ids and at "
+                             "least two text tokens")
+        if window > config.max_seq_len:
+            _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
+                  "positions the model was trained on")
+        budget = args.windows * (window - len(sink_ids))
+        streams = encode_streams(_documents(args), checkpoint.tokenizer, [], budget)
+        text_ids = torch.cat([s.ids for s in streams])
+        windows = make_windows(text_ids, sink_ids, window, args.windows)
+        classes = [classify_positions(checkpoint.tokenizer, w, len(sink_ids)) for w in windows]
+        report = measure_sinks(checkpoint.model, windows, classes, args.first, args.eps,
+                               args.map_size)
+    except (*USER_ERRORS, UsageError) as error:
+        return _fail(command, str(error))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    plots = plot_sinks(report, args.output.with_suffix(""))
+    document = {
+        "checkpoint": args.checkpoint,
+        "model": checkpoint.describe(),
+        "sink_token_ids": sink_ids,
+        **report.to_json(),
+        "plots": plots,
+    }
+    args.output.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"## {_row_label(checkpoint)}\n")
+    print(markdown_summary(report))
+    print(f"\nreport: {args.output}\nplots: {', '.join(plots.values())}")
+    return 0
+

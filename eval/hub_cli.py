@@ -1,0 +1,179 @@
+"""``sinklm export`` (a Hugging Face folder, optionally pushed) and ``sinklm zeroshot`` (lm-eval).
+
+Both take ``--checkpoint`` as every evaluator does (``eval.checkpoint.load_checkpoint``) and check
+their cheap inputs (output paths, task names, data files, Hub token) before loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checkpoint import DTYPES, CheckpointError, load_checkpoint
+from .zeroshot_tasks import PAPER_TASKS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face folder (and push it to the Hub)",
+        description=(
+            "Write safetensors weights, config.json, the tokenizer (which prepends the sink "
+            "tokens), generation_config.json and a model card with the training recipe and "
+            "the results files found beside the checkpoint. Vanilla and sink-token models "
+            "load as plain GPTNeoXForCausalLM; softmax1, sink_logit and gated models ship "
+            "their modeling code (trust_remote_code=True)."
+        ),
+        epilog="example: sinklm export --checkpoint runs/sink_token/hf --output "
+        "exports/sink_token\n"
+        "         sinklm export --checkpoint runs/zero_sink/hf --output exports/zero_sink "
+        "--push-to-hub me/pythia-160m-zero-sink --private",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
+    export.add_argument("--output", required=True, help="the folder to write")
+    export.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
+    export.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="precision of the saved weights"
+    )
+    export.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this repo")
+    export.add_argument("--private", action="store_true", help="create the Hub repo private")
+    export.add_argument(
+        "--overwrite", action="store_true",
+        help="write into an existing folder, replacing the export's files (others stay)",
+    )
+    export.set_defaults(func=run_export)
+
+    zeroshot = subparsers.add_parser(
+        "zeroshot",
+        help="zero-shot benchmarks through lm-eval, sink ids in front of every request",
+        description=(
+            "Score a checkpoint on lm-eval tasks at zero shots and write acc and acc_norm (where "
+            "a task has them) with their stderr, and the lm-eval version, to a JSON file. With "
+            "--data-dir the tasks read local files (the layout of ../shared/data/benchmarks) "
+            "with lm-eval's own task definitions; without it, lm-eval's Hub datasets."
+        ),
+        epilog="example: sinklm zeroshot --checkpoint runs/sink_token/hf --data-dir "
+        "../shared/data/benchmarks --limit 100 --output runs/sink_token/zeroshot_results.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    zeroshot.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
+    zeroshot.add_argument(
+        "--tasks", default=",".join(PAPER_TASKS),
+        help="comma-separated lm-eval task names (default: the paper's seven)",
+    )
+    zeroshot.add_argument("--limit", type=int, help="score only the first N items of each task")
+    zeroshot.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
+    zeroshot.add_argument("--data-dir", help="read the tasks from local files in this folder")
+    zeroshot.add_argument("--output", required=True, help="the results JSON file to write")
+    zeroshot.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    zeroshot.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    zeroshot.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="precision of the weights"
+    )
+    zeroshot.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
+    zeroshot.add_argument(
+        "--bootstrap-iters", type=int, default=100_000,
+        help="resamples for the stderr of non-mean metrics (lambada perplexity)",
+    )
+    zeroshot.set_defaults(func=run_zeroshot)
+
+
+def _fail(command: str, error: Exception | str, code: int = 2) -> int:
+    print(f"sinklm {command}: {error}", file=sys.stderr)
+    return code
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from .export import (
+        ExportError,
+        HubError,
+        check_hub_token,
+        check_output,
+        export_model,
+        find_results,
+        find_training_recipe,
+        push_to_hub,
+    )
+
+    if args.private and not args.push_to_hub:
+        return _fail("export", "--private applies to --push-to-hub REPO_ID; give both")
+    try:
+        check_output(args.output, args.checkpoint, args.overwrite)
+        if args.push_to_hub:
+            check_hub_token(args.push_to_hub)
+        dtype = getattr(torch, args.dtype)
+        checkpoint = load_checkpoint(args.checkpoint, args.tokenizer, dtype=dtype)
+        folder = export_model(
+            checkpoint,
+            args.output,
+            training=find_training_recipe(checkpoint.source),
+            results=find_results(checkpoint.source),
+            repo_id=args.push_to_hub,
+            overwrite=args.overwrite,
+        )
+    except (CheckpointError, ExportError, HubError) as error:
+        return _fail("export", error)
+    print(f"sinklm export: wrote {folder}")
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(folder, args.push_to_hub, private=args.private)
+        except HubError as error:
+            return _fail("export", error, code=1)
+        print(f"sinklm export: pushed to {url}")
+    return 0
+
+
+def run_zeroshot(args: argparse.Namespace) -> int:
+    from lm_eval.utils import make_table
+
+    from .zeroshot import SinkLMEval, evaluate, summarize
+    from .zeroshot_tasks import ZeroshotError, task_specs
+
+    output = Path(args.output).expanduser()
+    if output.is_dir():
+        return _fail("zeroshot", f"--output {output} is a folder; give a .json file path")
+    if output.exists() and not args.overwrite:
+        return _fail("zeroshot", f"--output {output} exists: pass --overwrite to replace it")
+    if args.limit is not None and args.limit < 1:
+        return _fail("zeroshot", f"--limit {args.limit}: give a positive number of items")
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not tasks:
+        return _fail("zeroshot", "--tasks is empty: name at least one lm-eval task")
+    try:
+        specs = task_specs(tasks, args.data_dir)
+        model = SinkLMEval(
+            args.checkpoint, args.batch_size, args.device, args.dtype, args.tokenizer
+        )
+        raw = evaluate(model, specs, limit=args.limit, bootstrap_iters=args.bootstrap_iters)
+    except (ZeroshotError, CheckpointError) as error:
+        return _fail("zeroshot", error)
+    except ConnectionError as error:  # datasets cannot reach the Hub
+        hint = "the Hub datasets need the network; --data-dir FOLDER reads local files instead"
+        return _fail("zeroshot", f"{error}: {hint}", code=1)
+    settings = {
+        "checkpoint": args.checkpoint,
+        "tasks": tasks,
+        "limit": args.limit,
+        "batch_size": args.batch_size,
+        "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
+        "device": str(model.device),
+        "dtype": args.dtype,
+        "bootstrap_iters": args.bootstrap_iters,
+    }
+    results = summarize(raw, model, settings)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
+    with os.fdopen(handle, "w") as file:
+        json.dump(results, file, indent=2)
+        file.write("\n")
+    os.replace(tmp, output)
+    print(make_table(raw))
+    print(f"sinklm zeroshot: wrote {output}")
+    return 0

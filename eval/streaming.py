@@ -1,0 +1,501 @@
+"""Streaming perplexity under a KV cache policy: an exact token-by-token reference and a fast
+batched evaluator that computes the same per-token losses.
+
+A stream is a 1-D tensor of token ids: the model's sink ids, then the text. Query ``t`` predicts
+token ``t + 1``; the scored targets are the text tokens from the second one on (stream indices
+``sinks + 1 ..``), the same set for every variant and cache, so numbers compare.
+
+Why the fast path is exact. Under ``x+y`` with position shift, the query at stream index ``j``
+sits at position ``P_j = min(j, x + y)``; the first x tokens sit at positions 0..x-1 and each
+recent token ``i`` (``max(x, j - y) <= i <= j``) at ``P_j - (j - i)``. Rotary scores depend only
+on the position difference, so recent keys are seen at their *true* distance ``j - i`` (a band,
+i.e. sliding-window attention over a chunk of queries) and initial keys at distance
+``P_j - i``: a separate score block with the query rotated to ``P_j`` (carried in extra head
+dims, see :class:`ChunkGeometry`). Both blocks share one softmax. A token's keys and values
+at every layer are computed once, when it is the query, from what the cache held then; the
+fast path keeps exactly those (x initial and y recent per layer), so its memory is flat in the
+stream length.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sinklm.models import CausalLM, KVCache
+from sinklm.models.model import Attention, RotaryEmbedding
+
+from .cache import CachePolicy, Recompute, StartRecent
+
+# Queries per fast step; bigger amortises the per-layer work, smaller bounds the score block.
+DEFAULT_CHUNK = 1024
+# Tokens per batch of recomputed windows (windows x window length).
+RECOMPUTE_BATCH_TOKENS = 16384
+# Rows per call of the vocab head: bounds the logits in memory (512 x 50304 floats = 100 MB).
+HEAD_ROWS = 512
+
+
+def _device(model: CausalLM) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _token_losses(logits: Tensor, targets: Tensor) -> Tensor:
+    """Per-token negative log-likelihood in fp32 whatever the model dtype."""
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def _head_losses(model: CausalLM, hidden: Tensor, targets: Tensor, out: Tensor) -> None:
+    """Losses of hidden states [R, d] through the final norm and vocab head, written into
+    ``out`` [R], in row blocks so the logits never take more than HEAD_ROWS x vocab floats."""
+    for r in range(0, len(hidden), HEAD_ROWS):
+        logits = model.embed_out(model.gpt_neox.final_layer_norm(hidden[r : r + HEAD_ROWS]))
+        out[r : r + HEAD_ROWS] = _token_losses(logits, targets[r : r + HEAD_ROWS])
+
+
+def _output(ids: Tensor, sinks: int) -> Tensor:
+    """The per-token loss buffer of a stream, allocated once: many small tensors kept across
+    chunks would pin the freed logits' memory (allocator fragmentation) and RSS would grow."""
+    return torch.empty(len(ids) - sinks - 1, device=ids.device)
+
+
+class StreamError(ValueError):
+    """A stream the model cannot be evaluated on; the message says why."""
+
+
+def _check_stream(model: CausalLM, ids: Tensor, sinks: int) -> None:
+    if ids.dim() != 1:
+        raise StreamError(f"a stream is a 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+    if len(ids) < sinks + 2:
+        raise StreamError(f"a stream needs at least two text tokens after its {sinks} sink ids")
+    top = int(ids.max())
+    if top >= model.config.vocab_size:
+        raise StreamError(
+            f"token id {top} is outside the model's {model.config.vocab_size}-row embedding: "
+            "the tokenizer does not match the checkpoint"
+        )
+
+
+# --- reference ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: int = 0) -> Tensor:
+    """Per-token losses [len(ids) - sinks - 1], one model call per token: the definition itself.
+
+    ``x+y`` and ``dense`` decode with the model's ``KVCache``: before each token the policy's
+    evictions, then cached positions re-assigned to 0..len-1 (dense keeps true positions, which
+    are the same numbers) and the token at the next position. ``recompute`` re-encodes each
+    token's window from position 0.
+    """
+    _check_stream(model, ids, sinks)
+    ids = ids.to(_device(model))
+    if isinstance(policy, Recompute):
+        return _recompute_reference(model, ids, policy, sinks)
+    cache = KVCache(model.config.n_layer)
+    losses = _output(ids, sinks)
+    for t in range(len(ids) - 1):
+        if isinstance(policy, StartRecent):
+            index = policy.keep_index(len(cache))
+            if index is not None:
+                cache.keep(index.to(ids.device))
+            cache.positions = torch.arange(len(cache), device=ids.device).unsqueeze(0)
+        position = torch.tensor([[len(cache)]], device=ids.device)
+        logits = model(ids[t : t + 1].unsqueeze(0), position_ids=position, cache=cache)
+        if t >= sinks:
+            losses[t - sinks] = _token_losses(logits[0, -1:], ids[t + 1 : t + 2])[0]
+    return losses.cpu()
+
+
+def _window_ids(ids: Tensor, end: int, window: int, sinks: int) -> Tensor:
+    """The recompute window whose last token is ``end``: sink ids, then the most recent tokens."""
+    if end < window:
+        return ids[: end + 1]
+    return torch.cat([ids[:sinks], ids[end - (window - sinks) + 1 : end + 1]])
+
+
+def _window_ends(n: int, policy: Recompute) -> list[int]:
+    """Last token of each recompute window: every query for stride 1, else one per stride."""
+    last = n - 2
+    if policy.stride == 1:
+        return list(range(last + 1))
+    return [*range(min(policy.window - 1, last), last, policy.stride), last]
+
+
+def _scored_queries(end: int, previous_end: int, policy: Recompute) -> range:
+    """Queries a window scores: its own last token (stride 1), else all since the last window."""
+    return range(end, end + 1) if policy.stride == 1 else range(previous_end + 1, end + 1)
+
+
+def _recompute_check(policy: Recompute, sinks: int) -> None:
+    if policy.window <= sinks:
+        raise StreamError(
+            f"cache {policy.label}: the window must hold the {sinks} sink ids and a text token"
+        )
+
+
+@torch.no_grad()
+def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int) -> Tensor:
+    _recompute_check(policy, sinks)
+    losses = _output(ids, sinks)
+    previous = -1
+    for end in _window_ends(len(ids), policy):
+        if end < sinks:  # stride 1 only: a query on a sink id predicts nothing scored
+            continue
+        window = _window_ids(ids, end, policy.window, sinks)
+        logits = model(window.unsqueeze(0))[0]
+        for t in _scored_queries(end, previous, policy):
+            if t >= sinks:
+                row = len(window) - 1 - (end - t)
+                losses[t - sinks] = _token_losses(logits[row : row + 1], ids[t + 1 : t + 2])[0]
+        previous = end
+    return losses.cpu()
+
+
+# --- fast --------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerCache:
+    """One layer's keys (before rotary) and values [H, S, D]: the x initial and y recent."""
+
+    initial_k: Tensor
+    initial_v: Tensor
+    recent_k: Tensor
+    recent_v: Tensor
+
+
+Rope = tuple[Tensor, Tensor]
+
+
+@dataclass
+class ChunkGeometry:
+    """Rotary tables and the mask of one chunk of queries, shared by every layer.
+
+    The chunk's queries go in ``blocks`` blocks of ``block`` (the last padded); block ``i`` sees
+    a window of ``y + block`` band keys (the padded band is the y keys before the chunk, then the
+    chunk's own) plus the fixed prefix: the implicit sink key, if any, and the initial keys.
+    Band keys sit at local positions 0.. and the queries at y.., so angles stay small whatever
+    the stream index. Initial keys need the query rotated to ``P_j`` instead: rotary touches
+    only the first ``r`` dims of a head, so a query carries both rotations side by side
+    ([rotated for the band | unrotated rest | rotated to P_j], D + r dims) and each key fills the
+    slots of its kind with zeros elsewhere: one matmul scores both kinds exactly.
+    """
+
+    band: Rope  # [1, y + blocks * block, r] at local positions 0..
+    query: Rope  # the chunk's queries at local positions y..
+    initial: Rope  # initial keys at 0..x-1 (those the stream has reached)
+    initial_query: Rope  # each query at P_j = min(j, x + y)
+    block: int
+    blocks: int
+    bias: Tensor  # [blocks, block, prefix + y + block]: 0 where a query sees a key, else -inf
+
+    @classmethod
+    def build(
+        cls, rotary: RotaryEmbedding, policy: StartRecent, start: int, size: int, block: int,
+        sink_key: bool, dtype: torch.dtype, device: torch.device,
+    ) -> ChunkGeometry:
+        x, y = policy.sinks, policy.recent
+        blocks = -(-size // block)
+        padded = blocks * block
+        local = torch.arange(y + padded, device=device)
+        cos, sin = (table[0] for table in rotary.cos_sin(local[None], dtype))  # [1, n, r]
+        query = torch.arange(start, start + padded, device=device).view(blocks, block, 1)
+        initial = torch.arange(min(x, start + size), device=device)  # those seen so far
+        position_q = torch.clamp(query.reshape(1, -1), max=x + y)
+        window = torch.arange(y + block, device=device)
+        # Stream index of band key w in block i's window; the padded band starts at start - y.
+        key = (start - y) + torch.arange(blocks, device=device).view(blocks, 1, 1) * block + window
+        band = (key <= query) & (key >= torch.clamp(query - y, min=x))
+        mask = torch.cat([(initial <= query).expand(blocks, block, len(initial)), band], dim=-1)
+        if sink_key:
+            mask = torch.cat([mask.new_ones(blocks, block, 1), mask], dim=-1)
+        cos_i, sin_i = rotary.cos_sin(initial[None], dtype)
+        cos_q, sin_q = rotary.cos_sin(position_q, dtype)
+        return cls(
+            band=(cos, sin),
+            query=(cos[:, y:], sin[:, y:]),
+            initial=(cos_i[0], sin_i[0]),
+            initial_query=(cos_q[0], sin_q[0]),
+            block=block,
+            blocks=blocks,
+            # An additive mask: adding it is many times faster than a broadcast masked_fill.
+            bias=torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
+                ~mask, float("-inf")
+            ),
+        )
+
+
+@dataclass
+class StartRecentState:
+    """What the fast ``x+y`` evaluator carries between chunks: at most x + y tokens per layer."""
+
+    policy: StartRecent
+    layers: list[LayerCache]
+    next_index: int = 0  # stream index of the next token to feed
+
+    @classmethod
+    def empty(cls, model: CausalLM, policy: StartRecent) -> StartRecentState:
+        config = model.config
+        param = next(model.parameters())
+        blank = param.new_zeros(config.n_head, 0, config.head_dim)
+        return cls(policy, [LayerCache(blank, blank, blank, blank) for _ in range(config.n_layer)])
+
+    @property
+    def query_block(self) -> int:
+        """Queries per block: a block's window holds y + block keys for ~y needed (waste ~1.5x)."""
+        return max(64, self.policy.recent // 2)
+
+    def cached_tokens(self) -> list[int]:
+        """Entries held per layer (initial + recent); never more than x + y."""
+        return [c.initial_k.shape[1] + c.recent_k.shape[1] for c in self.layers]
+
+    @torch.no_grad()
+    def feed(self, model: CausalLM, ids: Tensor) -> Tensor:
+        """Hidden states (before the final norm) [len(ids), d] of the next ``len(ids)`` tokens."""
+        decoder = model.gpt_neox
+        hidden = decoder.embed_in(ids).unsqueeze(0)
+        blocks = -(-len(ids) // self.query_block)
+        geometry = ChunkGeometry.build(
+            decoder.rotary, self.policy, self.next_index, len(ids),
+            block=-(-len(ids) // blocks),  # equal blocks: at most blocks - 1 padded queries
+            sink_key=decoder.layers[0].attention.sink() is not None,
+            dtype=hidden.dtype, device=ids.device,
+        )
+        for block, layer in zip(decoder.layers, self.layers, strict=True):
+            attn = self._attention(block.attention, decoder.rotary, block.input_layernorm(hidden),
+                                   layer, geometry)
+            hidden = hidden + attn + block.mlp(block.post_attention_layernorm(hidden))
+        self.next_index += len(ids)
+        return hidden[0]
+
+    def _attention(
+        self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, layer: LayerCache,
+        geometry: ChunkGeometry,
+    ) -> Tensor:
+        x, y = self.policy.sinks, self.policy.recent
+        a, c = self.next_index, x_in.shape[1]
+        h, d, r = attn.n_head, attn.head_dim, rotary.rotary_dims
+        blocks, block = geometry.blocks, geometry.block
+        q, k, v = attn.query_key_value(x_in[0]).view(c, h, 3 * d).transpose(0, 1).chunk(3, -1)
+        if a < x:  # this chunk holds some of the first x tokens: kept for good
+            take = min(x - a, c)
+            layer.initial_k = torch.cat([layer.initial_k, k[:, :take]], dim=1)
+            layer.initial_v = torch.cat([layer.initial_v, v[:, :take]], dim=1)
+        band_k = torch.cat([layer.recent_k, k], dim=1)
+        band_v = torch.cat([layer.recent_v, v], dim=1)
+        keep = max(0, band_k.shape[1] - y)
+        layer.recent_k, layer.recent_v = band_k[:, keep:], band_v[:, keep:]
+
+        # Pad the band to y keys before the chunk and whole blocks after it; the mask hides both.
+        pad = blocks * block - c
+        left = y - (band_k.shape[1] - c)
+        band_k = F.pad(band_k, (0, 0, left, pad))
+        band_v = F.pad(band_v, (0, 0, left, pad))
+        q = F.pad(q, (0, 0, 0, pad))
+        # Queries [band rotation | rest | rotary dims at P_j]; keys fill their kind's slots.
+        query = torch.cat(
+            [rotary.apply(q, *geometry.query), rotary.apply(q[..., :r], *geometry.initial_query)],
+            dim=-1,
+        ) / math.sqrt(d)
+        band_keys = F.pad(rotary.apply(band_k, *geometry.band), (0, r))
+        initial = layer.initial_k
+        prefix_k = torch.cat(
+            [torch.zeros_like(initial[..., :r]), initial[..., r:],
+             rotary.apply(initial[..., :r], *geometry.initial)],
+            dim=-1,
+        )
+        prefix_v = layer.initial_v
+        sink = attn.sink()
+        if sink is not None:  # the implicit sink as one more key: score sink_logit, value zero
+            query = F.pad(query, (0, 1), value=1.0)
+            band_keys = F.pad(band_keys, (0, 1))
+            sink_key = F.pad(sink.to(query.dtype).view(h, 1, 1), (d + r, 0))
+            prefix_k = torch.cat([sink_key, F.pad(prefix_k, (0, 1))], dim=1)
+            prefix_v = torch.cat([v.new_zeros(h, 1, d), prefix_v], dim=1)
+
+        # [h, blocks, prefix + y + block, dims]: the prefix, then each block's band window.
+        window = y + block
+        keys = torch.cat([prefix_k.unsqueeze(1).expand(h, blocks, -1, -1),
+                          band_keys.unfold(1, window, block).transpose(-1, -2)], dim=2)
+        values = torch.cat([prefix_v.unsqueeze(1).expand(h, blocks, -1, -1),
+                            band_v.unfold(1, window, block).transpose(-1, -2)], dim=2)
+        scores = query.view(h, blocks, block, -1) @ keys.transpose(-1, -2)
+        scores += geometry.bias
+        accumulate = torch.promote_types(scores.dtype, torch.float32)
+        probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(values.dtype)
+        out = (probs @ values).view(h, blocks * block, d)[:, :c]
+        out = out.transpose(0, 1).reshape(1, c, h * d)
+        if attn.softmax == "gated":
+            out = out * torch.sigmoid(attn.gate(x_in))
+        return attn.dense(out)
+
+
+@torch.no_grad()
+def fast_losses(
+    model: CausalLM,
+    ids: Tensor,
+    policy: CachePolicy,
+    sinks: int = 0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Tensor:
+    """The same per-token losses as :func:`reference_losses`, in batched steps.
+
+    ``x+y``: chunks of ``chunk_size`` queries through :class:`StartRecentState`. ``dense``: chunks
+    through the model with a growing ``KVCache`` (true positions, as the reference). ``recompute``:
+    many windows per batch, the first (shared prefix) window once.
+    """
+    _check_stream(model, ids, sinks)
+    if chunk_size < 1:
+        raise StreamError(f"chunk_size={chunk_size}: must be >= 1")
+    ids = ids.to(_device(model))
+    if isinstance(policy, Recompute):
+        return _recompute_fast(model, ids, policy, sinks)
+    n = len(ids)
+    state = StartRecentState.empty(model, policy) if isinstance(policy, StartRecent) else None
+    cache = KVCache(model.config.n_layer)
+    losses = _output(ids, sinks)
+    for a in range(0, n - 1, chunk_size):
+        b = min(a + chunk_size, n - 1)
+        first = max(a, sinks)  # the first scored query of this chunk, if first < b
+        if state is not None:
+            hidden = state.feed(model, ids[a:b])
+            if first < b:
+                _head_losses(model, hidden[first - a :], ids[first + 1 : b + 1],
+                             losses[first - sinks : b - sinks])
+        else:
+            logits = model(ids[a:b].unsqueeze(0), cache=cache)[0]
+            if first < b:
+                losses[first - sinks : b - sinks] = _token_losses(
+                    logits[first - a :], ids[first + 1 : b + 1]
+                )
+    return losses.cpu()
+
+
+@torch.no_grad()
+def _hidden(model: CausalLM, batch: Tensor) -> Tensor:
+    """Hidden states [B, T, d] of windows encoded from position 0, without the vocab head."""
+    decoder = model.gpt_neox
+    x = decoder.embed_in(batch)
+    positions = torch.arange(batch.shape[1], device=batch.device).expand_as(batch)
+    rope = decoder.rotary.cos_sin(positions, x.dtype)
+    for block in decoder.layers:
+        x, _, _ = block(x, decoder.rotary, rope, rope, None, False)
+    return x
+
+
+@torch.no_grad()
+def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int) -> Tensor:
+    """Queries inside the first window share one causal pass; later windows go in batches."""
+    _recompute_check(policy, sinks)
+    n, window = len(ids), policy.window
+    ends = _window_ends(n, policy)
+    first_end = min(window - 1, n - 2)
+    hidden = _hidden(model, ids[: first_end + 1].unsqueeze(0))[0]
+    losses = _output(ids, sinks)
+    _head_losses(model, hidden[sinks:], ids[sinks + 1 : first_end + 2],
+                 losses[: first_end + 1 - sinks])
+    later = [end for end in ends if end > first_end]
+    per_batch = max(1, RECOMPUTE_BATCH_TOKENS // window)
+    offsets = torch.arange(window - sinks, device=ids.device)
+    sink_part = torch.arange(sinks, device=ids.device)
+    previous = first_end
+    for i in range(0, len(later), per_batch):
+        batch_ends = torch.tensor(later[i : i + per_batch], device=ids.device)
+        recent = batch_ends[:, None] - (window - sinks) + 1 + offsets[None]
+        index = torch.cat([sink_part.expand(len(batch_ends), -1), recent], dim=1)
+        hidden = _hidden(model, ids[index])
+        start, rows = previous + 1, []  # this batch scores queries start..its last end
+        for b, end in enumerate(batch_ends.tolist()):
+            rows.append(hidden[b, window - len(_scored_queries(end, previous, policy)) :])
+            previous = end
+        _head_losses(model, torch.cat(rows), ids[start + 1 : previous + 2],
+                     losses[start - sinks : previous + 1 - sinks])
+    return losses.cpu()
+
+
+# --- driving several caches over several streams -----------------------------------------------
+
+
+@dataclass
+class CacheResult:
+    """One cache policy's per-token losses over every stream, and how fast they came."""
+
+    policy: CachePolicy
+    losses: np.ndarray  # float32, the scored targets of all streams in order
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.losses.size)
+
+    @property
+    def nll(self) -> float:
+        return float(self.losses.astype(np.float64).mean())
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def to_json(self) -> dict[str, object]:
+        policy = self.policy
+        row: dict[str, object] = {
+            "cache": policy.label,
+            "sinks": policy.sinks if isinstance(policy, StartRecent) else None,
+            "recent": policy.recent if isinstance(policy, StartRecent) else None,
+            "ppl": self.ppl,
+            "nll": self.nll,
+            "tokens": self.tokens,
+            "tokens_per_second": self.tokens_per_second,
+            "seconds": self.seconds,
+        }
+        if isinstance(policy, Recompute):
+            row |= {"window": policy.window, "stride": policy.stride}
+        if self.notes:
+            row["notes"] = self.notes
+        return row
+
+
+def evaluate(
+    model: CausalLM,
+    streams: list[Tensor],
+    policies: list[CachePolicy],
+    sinks: int = 0,
+    reference: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    on_result: Callable[[CacheResult], None] | None = None,
+) -> list[CacheResult]:
+    """Every policy on every stream (each stream starts with ``sinks`` sink ids)."""
+    results = []
+    for policy in policies:
+        start = time.perf_counter()
+        parts = [
+            reference_losses(model, ids, policy, sinks) if reference
+            else fast_losses(model, ids, policy, sinks, chunk_size)
+            for ids in streams
+        ]
+        seconds = time.perf_counter() - start
+        notes = []
+        if isinstance(policy, StartRecent):
+            short = [len(ids) for ids in streams if len(ids) - 1 <= policy.size]
+            if short:
+                notes.append(
+                    f"{len(short)} of {len(streams)} streams ({min(short)} tokens or fewer) never "
+                    f"fill the {policy.size}-token cache: those losses equal dense"
+                )
+        result = CacheResult(policy, torch.cat(parts).numpy().astype(np.float32), seconds, notes)
+        if on_result is not None:
+            on_result(result)
+        results.append(result)
+    return results

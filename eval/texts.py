@@ -1,0 +1,106 @@
+"""Text sources for the evaluators and their token streams.
+
+A document is tokenized as one string without special tokens (as StreamingLLM does with a PG19
+book) and the model's sink ids go in front. Local files and Hub datasets take the same path
+after loading, so a test on a local book exercises what a PG19 run does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+
+class TextSourceError(ValueError):
+    """A text source cannot be read; the message names it."""
+
+
+@dataclass
+class Stream:
+    """One document's token stream: ``sinks`` sink ids, then the text."""
+
+    name: str
+    ids: Tensor  # int64 [sinks + text tokens]
+    sinks: int
+
+    @property
+    def text_tokens(self) -> int:
+        return len(self.ids) - self.sinks
+
+
+def split_dataset_spec(spec: str) -> tuple[str, str]:
+    """``HUB_ID[:split]`` as (id, split); the split defaults to ``test``."""
+    name, sep, split = spec.rpartition(":")
+    if sep and name and split and "/" not in split:
+        return name, split
+    return spec, "test"
+
+
+def check_files(paths: list[str | Path]) -> None:
+    """Fail on a missing file before anything slow (loading a model) happens."""
+    for path in paths:
+        if not Path(path).expanduser().is_file():
+            raise TextSourceError(f"text file {path} does not exist")
+
+
+def read_files(paths: list[str | Path]) -> Iterator[tuple[str, str]]:
+    """(name, text) of each UTF-8 file, in the order given."""
+    check_files(paths)
+    for path in paths:
+        file = Path(path).expanduser()
+        try:
+            yield file.name, file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise TextSourceError(f"text file {file} is not UTF-8 text ({error})") from error
+
+
+def read_dataset(spec: str, column: str = "text") -> Iterator[tuple[str, str]]:
+    """(name, text) of each row of a Hub dataset (or local dataset folder), streamed lazily."""
+    import datasets
+
+    name, split = split_dataset_spec(spec)
+    try:
+        rows = datasets.load_dataset(name, split=split, streaming=True)
+        for i, row in enumerate(rows):
+            if column not in row:
+                raise TextSourceError(
+                    f"dataset {name} has no column {column!r} (columns: {sorted(row)})"
+                )
+            yield f"{name}:{split}[{i}]", str(row[column])
+    except TextSourceError:
+        raise
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise TextSourceError(f"cannot load dataset {spec!r} ({error})") from error
+
+
+def encode_streams(
+    documents: Iterator[tuple[str, str]],
+    tokenizer: Tokenizer,
+    sink_ids: list[int],
+    max_tokens: int | None = None,
+) -> list[Stream]:
+    """Streams of the documents, stopping once ``max_tokens`` text tokens are taken in all.
+
+    Documents with fewer than two tokens are skipped: they have no scored target.
+    """
+    streams: list[Stream] = []
+    budget = max_tokens
+    for name, text in documents:
+        if budget is not None and budget <= 0:
+            break
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if budget is not None:
+            ids = ids[:budget]
+            budget -= len(ids)
+        if len(ids) < 2:
+            continue
+        stream = torch.tensor([*sink_ids, *ids], dtype=torch.long)
+        streams.append(Stream(name, stream, len(sink_ids)))
+    if not streams:
+        raise TextSourceError("no document with at least two tokens to evaluate")
+    return streams

@@ -1,0 +1,252 @@
+"""Streaming evaluators: the reference against an independent hand construction, and the fast
+evaluator against the reference for every variant, sink count and cache, across the fill."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sinklm.eval.cache import CachePolicy, Dense, StartRecent, parse_cache
+from sinklm.eval.streaming import (
+    StartRecentState,
+    StreamError,
+    evaluate,
+    fast_losses,
+    reference_losses,
+)
+from sinklm.models import SOFTMAX_VARIANTS, CausalLM, ModelConfig
+
+VOCAB = 97
+
+
+@pytest.fixture(autouse=True)
+def eval_one_thread() -> Iterator[None]:
+    """Leave the second core to the other jobs on this machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sharp_model(softmax: str, sink_tokens: int = 0, seed: int = 0) -> CausalLM:
+    """A small random model whose attention is far from uniform, so that a key at a wrong
+    position or a missing key changes the loss by much more than the tolerance."""
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, max_seq_len=64,
+        attention={"softmax": softmax, "backend": "sdpa"}, sink_tokens=sink_tokens,
+    )
+    model = CausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("query_key_value.weight"):
+                param.mul_(4.0)
+            elif name.endswith("sink_logit"):
+                param.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def stream(length: int, sinks: int, seed: int = 1) -> torch.Tensor:
+    """Sink ids (the top ids of the vocabulary) then random text tokens."""
+    text = torch.randint(0, VOCAB - 2, (length,), generator=torch.Generator().manual_seed(seed))
+    sink_ids = torch.arange(VOCAB - 2, VOCAB - 2 + sinks)
+    return torch.cat([sink_ids, text])
+
+
+# --- the reference, built independently ---------------------------------------------------------
+
+
+def kept_tokens(policy: CachePolicy, t: int) -> list[int]:
+    """Stream indices in the cache when token t is the query, in cache order."""
+    if isinstance(policy, Dense) or t <= policy.size:
+        return list(range(t))
+    return list(range(policy.sinks)) + list(range(t - policy.recent, t))
+
+
+def rotate(x: torch.Tensor, position: int, config: ModelConfig) -> torch.Tensor:
+    """GPT-NeoX rotate-half rotary of one token's heads [H, D], written out from the formula."""
+    r = config.rotary_dims
+    inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    angle = position * inv_freq
+    cos, sin = torch.cos(angle).float(), torch.sin(angle).float()
+    x1, x2 = x[:, : r // 2], x[:, r // 2 : r]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[:, r:]], dim=-1)
+
+
+@torch.no_grad()
+def hand_losses(model: CausalLM, ids: torch.Tensor, policy: CachePolicy, sinks: int) -> list[float]:
+    """Token by token with plain Python lists: each token's keys and values are stored once per
+    layer when it is the query; the query attends to the kept tokens at positions 0.. in cache
+    order and to itself at the next position."""
+    config, decoder = model.config, model.gpt_neox
+    h_count, d = config.n_head, config.head_dim
+    keys: list[list[torch.Tensor]] = [[] for _ in range(config.n_layer)]
+    values: list[list[torch.Tensor]] = [[] for _ in range(config.n_layer)]
+    losses = []
+    for t in range(len(ids) - 1):
+        kept = kept_tokens(policy, t)
+        position = len(kept)
+        h = decoder.embed_in.weight[ids[t]]
+        for layer, block in enumerate(decoder.layers):
+            attn = block.attention
+            x = block.input_layernorm(h)
+            q, k, v = attn.query_key_value(x).view(h_count, 3 * d).split(d, dim=-1)
+            keys[layer].append(k)
+            values[layer].append(v)
+            seen_k = [rotate(keys[layer][i], p, config) for p, i in enumerate(kept)]
+            seen_k.append(rotate(k, position, config))
+            seen_v = torch.stack([values[layer][i] for i in kept] + [v], dim=1)  # [H, S, D]
+            scores = (rotate(q, position, config)[:, None] * torch.stack(seen_k, 1)).sum(-1)
+            scores = scores / math.sqrt(d)
+            weights = torch.exp(scores)
+            denominator = weights.sum(-1, keepdim=True)
+            if config.attention.softmax == "softmax1":
+                denominator = denominator + 1.0
+            elif config.attention.softmax == "sink_logit":
+                denominator = denominator + torch.exp(attn.sink_logit)[:, None]
+            out = ((weights / denominator)[..., None] * seen_v).sum(1).reshape(-1)
+            if config.attention.softmax == "gated":
+                out = out * torch.sigmoid(attn.gate(x))
+            h = h + attn.dense(out) + block.mlp(block.post_attention_layernorm(h))
+        logits = model.embed_out(decoder.final_layer_norm(h))
+        if t >= sinks:
+            losses.append(float(torch.logsumexp(logits, -1) - logits[ids[t + 1]]))
+    return losses
+
+
+@pytest.mark.parametrize("softmax", SOFTMAX_VARIANTS)
+@pytest.mark.parametrize("spec", ["0+6", "2+4", "3+0", "dense"])
+def test_reference_matches_hand_construction(softmax: str, spec: str) -> None:
+    sinks = 1
+    model = sharp_model(softmax, sink_tokens=sinks)
+    ids = stream(16, sinks)
+    policy = parse_cache(spec)
+    got = reference_losses(model, ids, policy, sinks)
+    expected = torch.tensor(hand_losses(model, ids, policy, sinks))
+    assert got.shape == (16 - 1,)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_dense_reference_is_one_causal_forward() -> None:
+    model = sharp_model("softmax")
+    ids = stream(40, 0)
+    with torch.no_grad():
+        logits = model(ids.unsqueeze(0))[0, :-1]
+    expected = F.cross_entropy(logits, ids[1:], reduction="none")
+    assert (reference_losses(model, ids, Dense()) - expected).abs().max().item() < 1e-5
+
+
+def test_cache_semantics_matter() -> None:
+    """The tolerance is meaningful: neighbouring caches give clearly different losses."""
+    model = sharp_model("softmax")
+    ids = stream(24, 0)
+    base = reference_losses(model, ids, StartRecent(2, 6))
+    for other in (StartRecent(2, 7), StartRecent(1, 7), StartRecent(0, 8)):
+        assert (reference_losses(model, ids, other) - base).abs().max().item() > 1e-2
+
+
+# --- fast == reference -------------------------------------------------------------------------
+
+# 0+y, 1+(y-1), 4+(y-4) and dense with y = 8 on 24-token streams: the cache fills at token 8;
+# chunks of 5 straddle that moment, chunks of 64 take the whole stream in one step.
+CACHES = ["0+8", "1+7", "4+4", "dense", "2+0", "recompute:8", "recompute:8:3"]
+
+
+@pytest.mark.parametrize("softmax", SOFTMAX_VARIANTS)
+@pytest.mark.parametrize("sinks", [0, 1, 2])
+def test_fast_equals_reference(softmax: str, sinks: int) -> None:
+    model = sharp_model(softmax, sink_tokens=sinks)
+    ids = stream(24, sinks)
+    for spec in CACHES:
+        policy = parse_cache(spec)
+        expected = reference_losses(model, ids, policy, sinks)
+        assert expected.shape == (24 - 1,)
+        for chunk in (5, 64):
+            got = fast_losses(model, ids, policy, sinks, chunk_size=chunk)
+            diff = (got - expected).abs().max().item()
+            assert diff < 1e-4, f"{softmax} sinks={sinks} cache={spec} chunk={chunk}: {diff}"
+
+
+@pytest.mark.parametrize("softmax", ["softmax1", "gated"])
+def test_fast_equals_reference_with_query_blocks(softmax: str) -> None:
+    """A cache of 4+196 splits each chunk into query blocks whose bands start mid-cache."""
+    model = sharp_model(softmax, sink_tokens=1)
+    ids = stream(420, 1)
+    policy = StartRecent(4, 196)
+    expected = reference_losses(model, ids, policy, 1)
+    got = fast_losses(model, ids, policy, 1, chunk_size=300)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_fast_memory_is_bounded_by_the_cache() -> None:
+    model = sharp_model("softmax")
+    policy = StartRecent(3, 10)
+    state = StartRecentState.empty(model, policy)
+    ids = stream(200, 0)
+    held = []
+    for a in range(0, 200, 7):
+        state.feed(model, ids[a : a + 7])
+        held.append(max(state.cached_tokens()))
+    assert max(held) == policy.size
+    assert all(n == policy.size for n in held[2:])
+    assert all(layer.initial_k.shape[1] == 3 for layer in state.layers)
+
+
+def resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_fast_memory_is_flat_in_the_stream_length() -> None:
+    """Three times the stream, same resident memory: nothing per chunk outlives its chunk."""
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=2048, n_layer=1, n_head=2, d_model=32,
+                                 max_seq_len=64)).eval()
+    ids = torch.randint(0, 2048, (60_000,), generator=torch.Generator().manual_seed(0))
+    policy = StartRecent(4, 60)
+    fast_losses(model, ids[:20_000], policy)
+    before = resident_mib()
+    fast_losses(model, ids, policy)
+    assert resident_mib() - before < 40  # ~40 chunks x 8 MB of logits if they were pinned
+
+
+def test_streams_shorter_than_the_cache_equal_dense_and_say_so() -> None:
+    model = sharp_model("softmax")
+    ids = stream(12, 0)
+    dense, window = evaluate(model, [ids], [Dense(), StartRecent(2, 30)])
+    assert (dense.losses - window.losses).max() < 1e-5
+    assert window.notes and "never fill" in window.notes[0]
+    assert not dense.notes
+
+
+def test_evaluate_concatenates_streams_and_scores_the_same_targets() -> None:
+    model = sharp_model("sink_logit", sink_tokens=1)
+    streams = [stream(20, 1, seed=2), stream(9, 1, seed=3)]
+    fast, ref = (
+        evaluate(model, streams, [StartRecent(1, 5)], sinks=1, reference=reference)[0]
+        for reference in (False, True)
+    )
+    assert fast.tokens == ref.tokens == 19 + 8
+    assert abs(fast.nll - ref.nll) < 1e-5
+    assert fast.ppl == pytest.approx(math.exp(fast.nll))
+    row = fast.to_json()
+    assert (row["cache"], row["sinks"], row["recent"]) == ("1+5", 1, 5)
+    assert {"ppl", "nll", "tokens_per_second"} <= set(row)
+
+
+def test_bad_streams_are_refused() -> None:
+    model = sharp_model("softmax")
+    with pytest.raises(StreamError, match="outside the model's 97-row embedding"):
+        fast_losses(model, torch.tensor([1, 2, 500]), Dense())
+    with pytest.raises(StreamError, match="at least two text tokens"):
+        reference_losses(model, torch.tensor([95, 3]), Dense(), sinks=1)
+    with pytest.raises(StreamError, match="sink ids"):
+        fast_losses(model, stream(10, 2), parse_cache("recompute:2"), sinks=2)

@@ -1,0 +1,193 @@
+"""`sinklm fit` end to end on CPU: exact resume after SIGKILL, DDP, SLURM preemption, bad input."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers.train_data import TinyData, run_fit, tiny_config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def losses(root: Path) -> dict[int, float]:
+    """step -> training loss, from every CSV log of a run (a resumed run adds a version)."""
+    found: dict[int, float] = {}
+    for log in sorted(root.glob("logs/version_*/metrics.csv")):
+        for row in csv.DictReader(log.open()):
+            if row.get("train/loss"):
+                found[int(row["step"])] = float(row["train/loss"])
+    return found
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def assert_ok(result) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_resume_after_sigkill_is_exact(train_data: TinyData, tmp_path: Path) -> None:
+    """2N steps straight, or killed at N+2 and resumed from the step-N checkpoint: the same
+    loss at every step and bit-identical final weights."""
+    n = 4
+    straight = tmp_path / "straight"
+    assert_ok(run_fit(write_config(tmp_path / "a.yaml",
+                                   tiny_config(train_data, straight, steps=2 * n,
+                                               checkpoint_every=n))))
+    crashed = tmp_path / "crashed"
+    killer = [{"class_path": "train_probes.KillAtStep", "init_args": {"step": n + 2}}]
+    config = write_config(tmp_path / "b.yaml", tiny_config(
+        train_data, crashed, steps=2 * n, checkpoint_every=n, callbacks=killer))
+    killed = run_fit(config)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (crashed / "checkpoints" / f"step{n:08d}.ckpt").is_file()
+    assert not (crashed / "checkpoints" / f"step{2 * n:08d}.ckpt").exists()
+
+    resumed = run_fit(write_config(tmp_path / "c.yaml", tiny_config(
+        train_data, crashed, steps=2 * n, checkpoint_every=n)))
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stderr  # last.ckpt: the step-N state, saved after it
+
+    expected, got = losses(straight), losses(crashed)
+    assert sorted(expected) == list(range(2 * n)) and sorted(got) == sorted(expected)
+    assert got == expected  # exact floats: same batches, same state, same arithmetic
+    final = f"step{2 * n:08d}.ckpt"
+    a, b = weights(straight / "checkpoints" / final), weights(crashed / "checkpoints" / final)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_cpu_ddp_two_ranks(train_data: TinyData, tmp_path: Path) -> None:
+    """Two gloo processes: disjoint batches, identical weights at the end."""
+    record = tmp_path / "record"
+    config = tiny_config(
+        train_data, tmp_path / "run", steps=3, checkpoint_every=3,
+        callbacks=[{"class_path": "train_probes.RecordRun",
+                    "init_args": {"directory": str(record)}}],
+        extra_trainer={"devices": 2, "strategy": "ddp"},
+    )
+    assert_ok(run_fit(write_config(tmp_path / "ddp.yaml", config)))
+    ranks = [torch.load(record / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    rows = [{tuple(row.tolist()) for batch in rank["batches"] for row in batch} for rank in ranks]
+    assert len(rows[0]) == len(rows[1]) == 3 * 4
+    assert not rows[0] & rows[1]
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(value, ranks[1]["weights"][name]), name
+
+
+SLURM_ENVIRONMENT = "lightning.pytorch.plugins.environments.SLURMEnvironment"
+
+
+def fake_scontrol(directory: Path) -> Path:
+    """An `scontrol` that records its arguments (no cluster here)."""
+    directory.mkdir()
+    script = directory / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {directory}/calls.txt\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return directory
+
+
+def slurm_env(bin_dir: Path) -> dict[str, str]:
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "sinklm-test", "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_NODELIST": "localhost",
+    }
+
+
+def test_sigusr1_saves_requeues_and_resumes(train_data: TinyData, tmp_path: Path) -> None:
+    bin_dir = fake_scontrol(tmp_path / "bin")
+    root = tmp_path / "run"
+    signal_at = [{"class_path": "train_probes.SignalAtStep", "init_args": {"step": 3}}]
+    config = tiny_config(train_data, root, steps=5, checkpoint_every=100, callbacks=signal_at,
+                         extra_trainer={"plugins": {"class_path": SLURM_ENVIRONMENT,
+                                                    "init_args": {"auto_requeue": True}}})
+    first = run_fit(write_config(tmp_path / "slurm.yaml", config), env=slurm_env(bin_dir))
+    assert_ok(first)
+    assert (bin_dir / "calls.txt").read_text().split() == ["requeue", "4242"]
+    hpc = list(root.glob("hpc_ckpt_*.ckpt"))
+    assert len(hpc) == 1
+    hpc_step = torch.load(hpc[0], map_location="cpu", weights_only=False)["global_step"]
+    assert hpc_step == 3
+
+    # The requeued job: the same command. The step-5 `last` checkpoint is newer than the hpc
+    # one here, so make the hpc one the newest, as after a real preemption.
+    os.utime(hpc[0])
+    config["trainer"]["callbacks"] = []
+    config["trainer"]["max_steps"] = 6
+    second = run_fit(write_config(tmp_path / "slurm2.yaml", config), env=slurm_env(bin_dir))
+    assert_ok(second)
+    assert f"resuming from {hpc[0]}" in second.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c["model"].update(heads=3), "heads"),
+        (lambda c: c["data"].update(global_batch_size=6), "global_batch_size=6"),
+        (lambda c: c["data"].update(path="/nonexistent/packed"), "/nonexistent/packed"),
+        (lambda c: c["data"].update(seq_len=128), "seq_len=128"),
+        (lambda c: c["model"]["model_overrides"].update(vocab_size=512), "vocab_size=512"),
+    ],
+)
+def test_bad_config_fails_before_training(train_data: TinyData, tmp_path: Path, change,
+                                          message: str) -> None:
+    config = tiny_config(train_data, tmp_path / "run")
+    change(config)
+    result = run_fit(write_config(tmp_path / "bad.yaml", config))
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resume_into_another_variant_is_refused(train_data: TinyData, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    assert_ok(run_fit(write_config(tmp_path / "a.yaml",
+                                   tiny_config(train_data, root, steps=2, checkpoint_every=2))))
+    before = (root / "checkpoints" / "last.ckpt").read_bytes()
+    other = tiny_config(train_data, root, variant="zero_sink", steps=4)
+    result = run_fit(write_config(tmp_path / "b.yaml", other))
+    assert result.returncode == 2
+    assert "another model" in result.stderr and "softmax1" in result.stderr
+    assert (root / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+def test_checkpoint_loads_for_evaluation(train_data: TinyData, tmp_path: Path) -> None:
+    """A `sinklm fit` checkpoint carries what evaluation needs: config, weights, tokenizer
+    with its sink token, sink ids; and `sinklm stream-eval` runs on it."""
+    from tokenizers import Tokenizer
+
+    from sinklm.eval.checkpoint import load_checkpoint
+    from sinklm.train.cli import main as sinklm_main
+
+    root = tmp_path / "run"
+    assert_ok(run_fit(write_config(tmp_path / "a.yaml",
+                                   tiny_config(train_data, root, steps=2, checkpoint_every=2))))
+    path = root / "checkpoints" / "last.ckpt"
+    loaded = load_checkpoint(path)
+    trained_vocab = Tokenizer.from_file(str(train_data.tokenizer)).get_vocab_size()
+    assert loaded.sink_token_ids == [trained_vocab]  # the first free id
+    assert loaded.tokenizer.id_to_token(trained_vocab) == "<|sink|>"
+    assert loaded.model.config.sink_tokens == 1 and loaded.name == "tiny-1m-sink_token"
+    saved = weights(path)
+    for name, value in loaded.model.state_dict().items():
+        assert torch.equal(value, saved[f"model.{name}"]), name
+    output = tmp_path / "stream.json"
+    code = sinklm_main(["stream-eval", "--checkpoint", str(path), "--text",
+                        str(train_data.packed.parent / "book.txt"), "--cache", "1+15,dense",
+                        "--output", str(output)])
+    assert code == 0 and output.is_file()

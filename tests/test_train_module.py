@@ -1,0 +1,148 @@
+"""The LightningModule's recipe (AdamW groups, schedule) and its non-finite loss guard."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers.train_data import TinyData
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from sinklm.train.data_module import SinkLMDataModule
+from sinklm.train.module import (
+    NonFiniteLossError,
+    OptimizerConfig,
+    SinkLMModule,
+    lr_multiplier,
+    parameter_groups,
+)
+
+
+def test_schedule_by_hand() -> None:
+    """1000 steps: warmup over 10 steps to the peak, cosine to 10% at the last step."""
+    assert lr_multiplier(0, 1000, 0.01, 0.1) == pytest.approx(0.1)
+    assert lr_multiplier(9, 1000, 0.01, 0.1) == pytest.approx(1.0)
+    halfway = 10 + (1000 - 10) / 2
+    assert lr_multiplier(int(halfway), 1000, 0.01, 0.1) == pytest.approx(0.55, abs=1e-3)
+    assert lr_multiplier(1000, 1000, 0.01, 0.1) == pytest.approx(0.1)
+    values = [lr_multiplier(s, 1000, 0.01, 0.1) for s in range(10, 1001)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_weight_decay_groups() -> None:
+    """Decay: embeddings, the head and weight matrices. No decay: biases, norms, sink logits."""
+    module = SinkLMModule(preset="tiny-1m", variant="sink_logit")
+    decay, no_decay = parameter_groups(module.model, 0.1)
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    assert "gpt_neox.embed_in.weight" in decayed and "embed_out.weight" in decayed
+    assert "gpt_neox.layers.0.attention.query_key_value.weight" in decayed
+    assert "gpt_neox.layers.0.attention.query_key_value.bias" in kept
+    assert "gpt_neox.layers.0.input_layernorm.weight" in kept
+    assert "gpt_neox.layers.0.attention.sink_logit" in kept
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert len(decayed) + len(kept) == len(names)
+
+
+def test_module_applies_variant_and_overrides() -> None:
+    module = SinkLMModule(preset="tiny-1m", variant="zero_sink", sink_tokens=2,
+                          model_overrides={"vocab_size": 640})
+    assert module.config.attention.softmax == "softmax1"
+    assert module.config.sink_tokens == 2 and module.config.vocab_size == 640
+
+
+class PoisonAt(L.Callback):
+    """Make the loss NaN at one step, as a diverging run would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            original = module.loss
+
+            def nan_loss(batch):
+                module.loss = original
+                return original(batch) * float("nan")
+
+            module.loss = nan_loss
+
+
+def make_run(train_data: TinyData, root: Path, policy: str, steps: int = 6):
+    torch.manual_seed(0)
+    module = SinkLMModule(
+        preset="tiny-1m", variant="vanilla", on_nonfinite=policy,
+        model_overrides={"vocab_size": 640, "d_model": 32, "n_head": 2, "max_seq_len": 64},
+        optimizer=OptimizerConfig(lr=1e-3),
+    )
+    data = SinkLMDataModule(path=str(train_data.packed), seq_len=64, sink_tokens=0,
+                            vocab_size=640, micro_batch_size=4, num_workers=0)
+    checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True,
+                                 save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[checkpoint, PoisonAt(3)],
+        limit_val_batches=0, default_root_dir=root,
+    )
+    return module, data, trainer
+
+
+def test_nonfinite_loss_stops_and_keeps_good_checkpoint(
+    train_data: TinyData, tmp_path: Path
+) -> None:
+    module, data, trainer = make_run(train_data, tmp_path, "stop")
+    with pytest.raises(NonFiniteLossError, match=r"lower optimizer\.lr"):
+        trainer.fit(module, data)
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 2  # the step-2 checkpoint; nothing after the NaN was saved
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # not updated with NaN
+
+
+def test_nonfinite_loss_skip_policy_goes_on(
+    train_data: TinyData, tmp_path: Path
+) -> None:
+    module, data, trainer = make_run(train_data, tmp_path, "skip")
+    trainer.fit(module, data)
+    assert module.skipped_batches == 1
+    assert trainer.global_step == 6  # the poisoned batch was dropped, training went on
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert math.isfinite(trainer.callback_metrics["train/loss"].item())
+
+
+def test_compile_switch_keeps_checkpoint_keys() -> None:
+    plain = SinkLMModule(preset="tiny-1m")
+    compiled = SinkLMModule(preset="tiny-1m", compile=True)
+    compiled.configure_model()
+    assert compiled.model._compiled_call_impl is not None
+    assert plain.model._compiled_call_impl is None
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_file(
+    train_data: TinyData, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that dies half-way (disk full, kill) leaves the old checkpoint intact."""
+    from fsspec.implementations.local import LocalFileOpener
+
+    module, data, trainer = make_run(train_data, tmp_path, "skip", steps=2)
+    trainer.fit(module, data)
+    last = tmp_path / "last.ckpt"
+    before, files = last.read_bytes(), sorted(p.name for p in tmp_path.iterdir())
+    write = LocalFileOpener.write
+
+    def write_half_then_fail(self, data):
+        write(self, data[: len(data) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(LocalFileOpener, "write", write_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_checkpoint(last)
+    assert last.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # no half-written leftovers
+    assert torch.load(last, weights_only=False)["global_step"] == 2

@@ -1,0 +1,127 @@
+"""What a run shows while it trains: tokens/s and MFU, and how attention sinks form."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+
+from sinklm.eval.sinks import classify_positions, measure_sinks
+
+
+class Throughput(L.Callback):
+    """Logs tokens/s (all ranks together) and MFU every ``log_every_n_steps`` optimizer steps.
+
+    MFU = achieved training FLOPs per device / peak FLOPs per device. Training FLOPs per token
+    come from ``ModelConfig.training_flops_per_token`` (6 per matmul weight + attention);
+    peak FLOPs from Lightning's GPU table (H100, H200, A100, ...) for the run's precision, or
+    ``peak_flops`` when given (e.g. for a GPU the table lacks, or a CPU).
+    """
+
+    def __init__(self, peak_flops: float | None = None) -> None:
+        self.peak_flops = peak_flops
+        self._start: float | None = None
+        self._tokens = 0
+        self._last_logged_step = -1
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self._tokens += batch["input_ids"].numel()
+        step, every = trainer.global_step, trainer.log_every_n_steps
+        if self._start is None or every < 1 or step % every or step == self._last_logged_step:
+            return
+        self._last_logged_step = step
+        if module.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._start
+        per_device = self._tokens / elapsed
+        tokens_per_s = per_device * trainer.world_size
+        module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True, rank_zero_only=True)
+        peak = self.peak_flops or self._table_peak(trainer, module)
+        if peak:
+            seq_len = batch["input_ids"].shape[1]
+            flops = module.config.training_flops_per_token(seq_len)
+            module.log("perf/mfu", per_device * flops / peak, prog_bar=True, rank_zero_only=True)
+        self._start, self._tokens = time.perf_counter(), 0
+
+    @staticmethod
+    def _table_peak(trainer: L.Trainer, module: L.LightningModule) -> float | None:
+        if module.device.type != "cuda":
+            return None
+        precision = str(trainer.precision)
+        dtype = torch.bfloat16 if "bf16" in precision else (
+            torch.float16 if "16" in precision else torch.float32
+        )
+        return get_available_flops(module.device, dtype)
+
+
+class SinkProbe(L.Callback):
+    """Every ``every_n_steps``, attention statistics of the model on a fixed probe batch.
+
+    The probe is the first batch of validation data (the same tokens for the whole run), so
+    the curves show when and how a first-token sink forms: per layer, the attention mass on
+    the first position, and Sink_1^eps, the share of heads whose mean attention to the first
+    position exceeds ``eps`` (Gu et al., default 0.3). Computed by ``sinklm.eval.sinks``, the
+    code behind ``sinklm sinks``.
+    """
+
+    def __init__(self, every_n_steps: int = 200, eps: float = 0.3, max_rows: int = 4) -> None:
+        self.every_n_steps = every_n_steps
+        self.eps = eps
+        self.max_rows = max_rows
+        self.history: list[dict[str, Any]] = []
+        self._probe: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def probe(self, trainer: L.Trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Probe windows and their token classes, built once."""
+        if self._probe is None:
+            data = trainer.datamodule
+            rows = next(iter(data.probe_dataloader()))["input_ids"][: self.max_rows]
+            tokenizer = data.load_tokenizer()
+            windows = list(rows)
+            classes = [classify_positions(tokenizer, row, data.sink_tokens) for row in windows]
+            self._probe = (windows, classes)
+        return self._probe
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every_n_steps < 1 or step % self.every_n_steps or not trainer.is_global_zero:
+            return
+        if self.history and self.history[-1]["step"] == step:
+            return  # gradient accumulation: several micro-batches end on the same step
+        windows, classes = self.probe(trainer)
+        was_training = module.training
+        module.eval()
+        try:
+            report = measure_sinks(module.model, windows, classes, first=1, eps=self.eps)
+        finally:
+            module.train(was_training)
+        tokens_per_step = (
+            batch["input_ids"].numel() * trainer.world_size * trainer.accumulate_grad_batches
+        )
+        row = {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "sink_rate": report.sink_rate(1),
+            "first_mass": report.to_position[:, :, 0].mean(1).tolist(),
+        }
+        self.history.append(row)
+        metrics = {f"sinks/first_mass_layer{i}": m for i, m in enumerate(row["first_mass"])}
+        metrics[f"sinks/sink_rate_eps{self.eps}"] = row["sink_rate"]
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))

@@ -1,0 +1,145 @@
+"""The LightningDataModule: packed shards (or Pythia's Megatron rows) -> resumable loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from tokenizers import Tokenizer
+
+from sinklm.data import (
+    MegatronRows,
+    PackedDataset,
+    ResumableLoader,
+    build_loader,
+    load_tokenizer,
+    packed_tokenizer,
+    read_meta,
+    sink_token_ids,
+    tokenizer_hash,
+)
+from sinklm.data.errors import DataError
+from sinklm.data.tokenizer import DEFAULT_TOKENIZER
+
+
+class SinkLMDataModule(L.LightningDataModule):
+    """Training and validation batches {"input_ids", "labels"} of ``seq_len`` tokens.
+
+    Args:
+        path: a folder written by ``sinklm prepare-data`` (meta.json + shards).
+        megatron_path: instead of ``path``, the prefix of Pythia's pre-tokenized, pre-shuffled
+            Megatron files (``PREFIX.bin``/``PREFIX.idx``), read in order so step s trains on
+            the rows Pythia trained on at step s.
+        tokenizer: tokenizer.json (or Hub id) for the sink ids; default: the one the data was
+            packed with (and for Megatron data, GPT-NeoX's).
+        seq_len: sequence length, sink ids included.
+        sink_tokens: sink ids in front of every sequence (linked from the model's variant).
+        vocab_size: the model's embedding rows, where sink ids must fit (linked from the model).
+        micro_batch_size: sequences per device per step.
+        global_batch_size: when set, checked to equal micro x devices x nodes x accumulation.
+        seed: the order's seed (the permutation is fixed by seed and epoch).
+        num_workers: loader worker processes per rank.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        megatron_path: str | None = None,
+        tokenizer: str | None = None,
+        seq_len: int = 2048,
+        sink_tokens: int = 0,
+        vocab_size: int | None = None,
+        micro_batch_size: int = 8,
+        global_batch_size: int | None = None,
+        seed: int = 1234,
+        num_workers: int = 2,
+    ) -> None:
+        super().__init__()
+        if (path is None) == (megatron_path is None):
+            raise DataError("set exactly one of data.path (a prepare-data folder) and "
+                            "data.megatron_path (Pythia's .bin/.idx prefix)")
+        if path is not None:
+            self.meta = read_meta(path)  # fails now, before any compute, if the folder is bad
+        elif not Path(f"{megatron_path}.idx").is_file():
+            raise DataError(f"data.megatron_path={megatron_path}: no {megatron_path}.idx")
+        if micro_batch_size < 1:
+            raise DataError(f"data.micro_batch_size={micro_batch_size}: must be >= 1")
+        self.path, self.megatron_path = path, megatron_path
+        self.tokenizer_spec = tokenizer
+        self.seq_len, self.sink_tokens, self.vocab_size = seq_len, sink_tokens, vocab_size
+        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
+        self.seed, self.num_workers = seed, num_workers
+        self.sink_ids: list[int] | None = None
+        self.tokenizer: Tokenizer | None = None  # set with the sink ids by check_vocabulary
+
+    def load_tokenizer(self) -> Tokenizer:
+        if self.tokenizer_spec is not None:
+            return load_tokenizer(self.tokenizer_spec)
+        if self.path is not None:
+            return packed_tokenizer(self.path)
+        return load_tokenizer(DEFAULT_TOKENIZER)
+
+    def check_vocabulary(self, vocab_size: int) -> list[int]:
+        """Sink ids inside ``vocab_size`` rows, and a packed tokenizer that matches the data."""
+        tokenizer = self.load_tokenizer()
+        if self.path is not None and tokenizer_hash(tokenizer) != self.meta["tokenizer_hash"]:
+            raise DataError(
+                f"data.tokenizer={self.tokenizer_spec} is not the tokenizer {self.path} was "
+                f"packed with ({self.meta['tokenizer']}); drop data.tokenizer or re-pack"
+            )
+        used = tokenizer.get_vocab_size(with_added_tokens=True)
+        if used > vocab_size:
+            raise DataError(
+                f"the tokenizer has {used} ids but the model has vocab_size={vocab_size} "
+                "embedding rows; set model.model_overrides.vocab_size (a multiple of 128) to "
+                "fit it"
+            )
+        self.sink_ids = sink_token_ids(tokenizer, self.sink_tokens, vocab_size)
+        self.tokenizer = tokenizer  # now holding the sink tokens
+        self.vocab_size = vocab_size
+        return self.sink_ids
+
+    def _dataset(self, split: str) -> PackedDataset | MegatronRows:
+        if self.megatron_path is not None:
+            return MegatronRows(self.megatron_path, self.seq_len, self.sink_tokens)
+        return PackedDataset(self.path, split, self.seq_len, self.sink_tokens,
+                             tokenizer_hash=self.meta["tokenizer_hash"])
+
+    def _sinks(self) -> list[int]:
+        if self.sink_ids is None:
+            if self.vocab_size is None:
+                raise DataError("data.vocab_size is unknown: call check_vocabulary(vocab_size) "
+                                "or set data.vocab_size to the model's embedding rows")
+            self.check_vocabulary(self.vocab_size)
+        assert self.sink_ids is not None
+        return self.sink_ids
+
+    def _has_validation(self) -> bool:
+        return self.path is not None and self.meta["splits"].get("validation", {}).get(
+            "tokens", 0
+        ) > self.seq_len
+
+    def train_dataloader(self) -> ResumableLoader:
+        # Megatron rows are Pythia's pre-shuffled order: read them in sequence.
+        return build_loader(
+            self._dataset("train"), self.micro_batch_size, self._sinks(), seed=self.seed,
+            shuffle=self.megatron_path is None, num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def val_dataloader(self) -> ResumableLoader | list:
+        if not self._has_validation():
+            return []
+        return build_loader(
+            self._dataset("validation"), self.micro_batch_size, self._sinks(), seed=self.seed,
+            shuffle=False, drop_last=False, num_workers=0,
+        )
+
+    def probe_dataloader(self) -> ResumableLoader:
+        """A fixed batch source for attention diagnostics: validation data, in order."""
+        split = "validation" if self._has_validation() else "train"
+        return build_loader(
+            self._dataset(split), self.micro_batch_size, self._sinks(), seed=self.seed,
+            shuffle=False, drop_last=False, rank=0, world_size=1,
+        )
