@@ -3,7 +3,8 @@
     python benchmarks/train_throughput.py [--preset tiny-5m] [--seq-len 512] [--steps 30]
 
 Both loops train the same model from the same initial weights on the same batches with the
-same AdamW + schedule + clipping, in one process; the first steps are warm-up and not timed.
+same AdamW + schedule + clipping, in one process, alternating for --rounds rounds (medians
+reported); the first steps of each run are warm-up and not timed.
 Goal on CPU: Lightning overhead <= 5%. On a CUDA machine it then measures --gpu-preset
 (default Pythia-160M, seq 2048, bf16) through the Lightning loop and reports tokens/s per GPU
 and MFU (goal >= 50% on an H100/H200). Prints Markdown for BENCHMARKS.md.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
 
 import lightning as L
@@ -107,17 +109,24 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     parser.add_argument("--gpu-preset", default="pythia-160m")
     parser.add_argument("--gpu-seq-len", type=int, default=2048)
     parser.add_argument("--gpu-batch-size", type=int, default=16)
     parser.add_argument("--gpu-backend", default="sdpa")
     args = parser.parse_args()
 
-    module = make_module(args.preset, args.seq_len)
-    batches = random_batches(module.config.vocab_size, args.batch_size, args.seq_len, 8)
+    vocab = make_module(args.preset, args.seq_len).config.vocab_size
+    batches = random_batches(vocab, args.batch_size, args.seq_len, 8)
     timed_tokens = (args.steps - WARMUP) * args.batch_size * args.seq_len
-    bare = bare_loop(make_module(args.preset, args.seq_len), batches, args.steps, "32-true")
-    lit, _ = lightning_loop(module, batches, args.steps, "cpu", "32-true")
+    # Alternate the two loops so that load from other processes hits both alike.
+    bare_times, lit_times = [], []
+    for _ in range(args.rounds):
+        bare_times.append(bare_loop(make_module(args.preset, args.seq_len), batches,
+                                    args.steps, "32-true"))
+        lit_times.append(lightning_loop(make_module(args.preset, args.seq_len), batches,
+                                        args.steps, "cpu", "32-true")[0])
+    bare, lit = statistics.median(bare_times), statistics.median(lit_times)
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}\n")
     print("| loop | preset | batch x seq | tokens/s | Lightning overhead |")

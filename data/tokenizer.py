@@ -73,7 +73,7 @@ def train_tokenizer(
 
     ``vocab_size`` counts everything, ``<|endoftext|>`` (id 0) and ``<|padding|>`` (id 1)
     included, as GPT-NeoX does. Leave room for sink tokens below the model's ``vocab_size``:
-    tiny-5m has 8192 embedding rows, so train at most 8191 ids for one sink token. A small
+    tiny-5m has 4096 embedding rows, so train at most 4095 ids for one sink token. A small
     corpus may yield fewer ids than asked for.
     """
     specials = [EOD_TOKEN, PAD_TOKEN]

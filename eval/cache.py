@@ -130,3 +130,23 @@ def parse_caches(specs: str) -> list[CachePolicy]:
 def paper_caches(size: int) -> list[CachePolicy]:
     """StreamingLLM's Table 3 grid for a cache of S: 0+S, 1+(S-1), 2+(S-2), 4+(S-4), dense."""
     return [StartRecent(x, size - x) for x in (0, 1, 2, 4) if size > 0 and x <= size] + [Dense()]
+
+
+def check_policies(
+    policies: list[CachePolicy], longest: int, max_seq_len: int, sinks: int
+) -> list[str]:
+    """Refuse a recompute window that cannot hold the sink ids; return warnings for caches
+    whose queries reach positions the model was not trained on."""
+    warnings = []
+    for policy in policies:
+        if isinstance(policy, Recompute) and policy.window <= sinks:
+            raise CacheSpecError(
+                f"cache {policy.label}: the window must be longer than the {sinks} sink ids"
+            )
+        top = policy.max_position(longest)
+        if top >= max_seq_len:
+            warnings.append(
+                f"cache {policy.label}: queries reach position {top}, past the {max_seq_len} "
+                f"positions (0..{max_seq_len - 1}) the model was trained on"
+            )
+    return warnings

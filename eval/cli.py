@@ -13,10 +13,10 @@ import torch
 
 from sinklm.models import ConfigError
 
-from .cache import CacheSpecError, Recompute, paper_caches, parse_caches
+from .cache import CacheSpecError, check_policies, paper_caches, parse_caches
 from .checkpoint import DTYPES, Checkpoint, CheckpointError, load_checkpoint
 from .report import format_ppl, markdown_table, write_outputs
-from .sinks import classify_positions, make_windows, markdown_summary, measure_sinks, plot_sinks
+from .sinks import markdown_summary, measure_text, plot_sinks
 from .streaming import DEFAULT_CHUNK, CacheResult, StreamError, evaluate
 from .texts import TextSourceError, check_files, encode_streams, read_dataset, read_files
 
@@ -139,15 +139,8 @@ def run_stream_eval(args: argparse.Namespace) -> int:
         streams = encode_streams(_documents(args), checkpoint.tokenizer, sink_ids,
                                  args.max_tokens)
         longest = max(len(s.ids) for s in streams)
-        for policy in policies:
-            top = policy.max_position(longest)
-            if top >= config.max_seq_len:
-                _warn(command, f"cache {policy.label}: queries reach position {top}, past the "
-                      f"{config.max_seq_len} positions (0..{config.max_seq_len - 1}) the model "
-                      "was trained on")
-            if isinstance(policy, Recompute) and policy.window <= len(sink_ids):
-                raise UsageError(f"cache {policy.label}: the window must be longer than the "
-                                 f"{len(sink_ids)} sink ids")
+        for warning in check_policies(policies, longest, config.max_seq_len, len(sink_ids)):
+            _warn(command, warning)
 
         def report(result: CacheResult) -> None:
             print(f"cache {result.policy.label}: ppl {format_ppl(result.ppl)} over "
@@ -208,11 +201,8 @@ def run_sinks(args: argparse.Namespace) -> int:
                   "positions the model was trained on")
         budget = args.windows * (window - len(sink_ids))
         streams = encode_streams(_documents(args), checkpoint.tokenizer, [], budget)
-        text_ids = torch.cat([s.ids for s in streams])
-        windows = make_windows(text_ids, sink_ids, window, args.windows)
-        classes = [classify_positions(checkpoint.tokenizer, w, len(sink_ids)) for w in windows]
-        report = measure_sinks(checkpoint.model, windows, classes, args.first, args.eps,
-                               args.map_size)
+        report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
+                              args.windows, args.first, args.eps, args.map_size)
     except (*USER_ERRORS, UsageError) as error:
         return _fail(command, str(error))
     args.output.parent.mkdir(parents=True, exist_ok=True)

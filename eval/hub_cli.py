@@ -30,9 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "load as plain GPTNeoXForCausalLM; softmax1, sink_logit and gated models ship "
             "their modeling code (trust_remote_code=True)."
         ),
-        epilog="example: sinklm export --checkpoint runs/sink_token/hf --output "
-        "exports/sink_token\n"
-        "         sinklm export --checkpoint runs/zero_sink/hf --output exports/zero_sink "
+        epilog="example: sinklm export --checkpoint "
+        "runs/pythia-160m-sink_token/checkpoints/last.ckpt \\\n"
+        "           --output exports/pythia-160m-sink_token\n"
+        "         sinklm export --checkpoint runs/pythia-160m-zero_sink/checkpoints/last.ckpt \\\n"
+        "           --output exports/pythia-160m-zero_sink "
         "--push-to-hub me/pythia-160m-zero-sink --private",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -59,8 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--data-dir the tasks read local files (the layout of ../shared/data/benchmarks) "
             "with lm-eval's own task definitions; without it, lm-eval's Hub datasets."
         ),
-        epilog="example: sinklm zeroshot --checkpoint runs/sink_token/hf --data-dir "
-        "../shared/data/benchmarks --limit 100 --output runs/sink_token/zeroshot_results.json",
+        epilog="example: sinklm zeroshot --checkpoint "
+        "runs/pythia-160m-sink_token/checkpoints/last.ckpt \\\n"
+        "           --data-dir ../shared/data/benchmarks --limit 100 "
+        "--output runs/pythia-160m-sink_token/zeroshot_results.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     zeroshot.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")

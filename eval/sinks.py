@@ -26,6 +26,8 @@ from torch import Tensor
 
 from sinklm.models import CausalLM
 
+from .checkpoint import Checkpoint
+
 TOKEN_CLASSES = ("first", "sink_ids", "newline", "punctuation", "other")
 
 
@@ -171,6 +173,22 @@ def measure_sinks(
         class_counts={name: int(n) for name, n in zip(TOKEN_CLASSES, counts, strict=True)},
         attention_map=(attention_map / len(windows)).numpy(),
     )
+
+
+def measure_text(
+    checkpoint: Checkpoint,
+    text_ids: Tensor,
+    window: int,
+    count: int,
+    first: int = 4,
+    eps: float = 0.3,
+    map_size: int = 16,
+) -> SinkReport:
+    """measure_sinks on up to ``count`` windows of ``text_ids``, each led by the sink ids."""
+    sink_ids = checkpoint.sink_token_ids
+    windows = make_windows(text_ids, sink_ids, window, count)
+    classes = [classify_positions(checkpoint.tokenizer, w, len(sink_ids)) for w in windows]
+    return measure_sinks(checkpoint.model, windows, classes, first, eps, map_size)
 
 
 def markdown_summary(report: SinkReport) -> str:

@@ -191,3 +191,26 @@ def test_checkpoint_loads_for_evaluation(train_data: TinyData, tmp_path: Path) -
                         str(train_data.packed.parent / "book.txt"), "--cache", "1+15,dense",
                         "--output", str(output)])
     assert code == 0 and output.is_file()
+
+
+def test_checkpoint_exports_for_transformers(train_data: TinyData, tmp_path: Path) -> None:
+    """`sinklm export` on a `sinklm fit` checkpoint: transformers loads it, same logits,
+    and its tokenizer puts the sink in front of the text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sinklm.eval.checkpoint import load_checkpoint
+    from sinklm.train.cli import main as sinklm_main
+
+    root = tmp_path / "run"
+    assert_ok(run_fit(write_config(tmp_path / "a.yaml",
+                                   tiny_config(train_data, root, steps=2, checkpoint_every=2))))
+    path = root / "checkpoints" / "last.ckpt"
+    out = tmp_path / "export"
+    assert sinklm_main(["export", "--checkpoint", str(path), "--output", str(out)]) == 0
+    ours = load_checkpoint(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    encoded = AutoTokenizer.from_pretrained(out)("It was a dark night.", return_tensors="pt")
+    ids = encoded["input_ids"]
+    assert ids[0, 0].item() == ours.sink_token_ids[0]
+    with torch.no_grad():
+        assert (hf_model(ids).logits - ours.model(ids)).abs().max().item() < 1e-4

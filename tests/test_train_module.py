@@ -10,8 +10,8 @@ import lightning as L
 import pytest
 import torch
 from helpers.train_data import TinyData
-from lightning.pytorch.callbacks import ModelCheckpoint
 
+from sinklm.train.callbacks import StepCheckpoint
 from sinklm.train.data_module import SinkLMDataModule
 from sinklm.train.module import (
     NonFiniteLossError,
@@ -82,8 +82,8 @@ def make_run(train_data: TinyData, root: Path, policy: str, steps: int = 6):
     )
     data = SinkLMDataModule(path=str(train_data.packed), seq_len=64, sink_tokens=0,
                             vocab_size=640, micro_batch_size=4, num_workers=0)
-    checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True,
-                                 save_top_k=-1)
+    checkpoint = StepCheckpoint(dirpath=root, every_n_train_steps=2, save_last=True,
+                                save_top_k=-1)
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[checkpoint, PoisonAt(3)],
@@ -146,3 +146,49 @@ def test_interrupted_checkpoint_write_keeps_the_previous_file(
     assert last.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # no half-written leftovers
     assert torch.load(last, weights_only=False)["global_step"] == 2
+
+
+def test_throughput_and_sink_probe_metrics(
+    train_data: TinyData, tmp_path: Path
+) -> None:
+    """MFU = tokens/s x FLOPs per token / peak; the probe's first-position mass and Sink_1^eps
+    equal a hand computation from the eager attention probabilities of the final model."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from sinklm.train.callbacks import SinkProbe, Throughput
+
+    module, data, _ = make_run(train_data, tmp_path, "stop", steps=4)
+    probe = SinkProbe(every_n_steps=4, eps=0.05, max_rows=2)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=4, logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_val_batches=0,
+        callbacks=[Throughput(peak_flops=1e12), probe],
+    )
+    trainer.fit(module, data)
+    logged = trainer.logged_metrics
+    flops = module.config.training_flops_per_token(64)
+    assert logged["perf/mfu"].item() == pytest.approx(
+        logged["perf/tokens_per_s"].item() * flops / 1e12, rel=1e-5)
+
+    row = probe.history[-1]
+    assert row["step"] == 4 and row["tokens"] == 4 * 4 * 64
+    windows = next(iter(data.probe_dataloader()))["input_ids"][:2]
+    module.eval()
+    with torch.no_grad():
+        _, probs = module.model.forward_with_attentions(windows)
+    t = windows.shape[1]
+    for layer, p in enumerate(probs):  # p: [B, H, T, S]; mean over queries of A[t, 0]
+        alpha = p[..., 0].sum(-1) / t  # [B, H]: every query t >= 0 sees position 0
+        per_head = alpha.mean(0)
+        assert row["first_mass"][layer] == pytest.approx(per_head.mean().item(), abs=1e-5)
+    heads = torch.stack([(p[..., 0].sum(-1) / t).mean(0) for p in probs])
+    assert row["sink_rate"] == pytest.approx((heads > 0.05).float().mean().item())
+
+
+def test_last_checkpoint_holds_the_final_step(train_data: TinyData, tmp_path: Path) -> None:
+    """5 steps, checkpoints every 2: `last` still ends at step 5, not 4 (the batch poisoned
+    at step 3 is skipped and does not count as a step)."""
+    module, data, trainer = make_run(train_data, tmp_path, "skip", steps=5)
+    trainer.fit(module, data)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 5

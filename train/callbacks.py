@@ -8,8 +8,22 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sinklm.eval.sinks import classify_positions, measure_sinks
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that also keeps the final state when training ends between intervals.
+
+    Lightning's ``save_last`` writes ``last`` at the end only if it never wrote one before, so a
+    run of 150 steps checkpointed every 100 would end with ``last`` at step 100.
+    """
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        super().on_train_end(trainer, module)
 
 
 class Throughput(L.Callback):

@@ -17,7 +17,9 @@ COMMAND_MODULES = (
     "sinklm.train.fit_cli",
     "sinklm.eval.cli",
     "sinklm.eval.hub_cli",
+    "sinklm.eval.compare_cli",
     "sinklm.train.slurm",
+    "sinklm.train.demo",
 )
 # Subcommands that parse their own arguments (LightningCLI): argv goes to them untouched.
 PASSTHROUGH = {"fit": "sinklm.train.fit:run_fit"}

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from sinklm.data.errors import DataError
 from sinklm.models.config import VARIANTS, ConfigError, ModelConfig
 
 from .batching import check_global_batch
-from .callbacks import SinkProbe, Throughput
+from .callbacks import SinkProbe, StepCheckpoint, Throughput
 from .data_module import SinkLMDataModule
 from .module import CHECKPOINT_KEY, SinkLMModule
 
@@ -68,7 +67,7 @@ def check_resume_compatible(path: Path, config: ModelConfig) -> None:
 
 class SinkLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.save_top_k": -1,
@@ -105,7 +104,7 @@ class SinkLMCLI(LightningCLI):
         data.check_vocabulary(model.config.vocab_size)
         root = Path(trainer.default_root_dir)
         checkpoint = trainer.checkpoint_callback
-        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:
+        if isinstance(checkpoint, StepCheckpoint) and checkpoint.dirpath is None:
             checkpoint.dirpath = str(root / "checkpoints")
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "auto":

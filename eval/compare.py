@@ -1,0 +1,564 @@
+"""Several checkpoints side by side in one report (``sinklm compare``), with cached results.
+
+For each checkpoint: streaming perplexity under each KV cache (``streaming.evaluate``), where
+attention goes (``sinks.measure_sinks``) and, when tasks are named, lm-eval zero-shot scores
+(``zeroshot.evaluate``). The report holds StreamingLLM's Table 3 (perplexity: a row per model,
+a column per cache) and Table 4 (zero-shot acc / acc_norm: a row per model, a column per task)
+as Markdown, CSV and JSON, and plots.
+
+Results are cached in ``DIR/cache/<checkpoint>/``, one file per (checkpoint identity, setting):
+a checkpoint is identified by its resolved path and the size and modification time of its
+weight, config and tokenizer files (a Hub id by the id), a text by its contents. A retrained
+checkpoint is therefore evaluated anew, and a rerun with another cache or task computes only
+what is missing.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .cache import CachePolicy, CacheSpecError, check_policies, paper_caches
+from .checkpoint import DTYPES, HUB_ID, Checkpoint, CheckpointError, load_checkpoint
+from .report import format_ppl, markdown_table, plot_running_ppl
+from .sinks import measure_text
+from .streaming import CacheResult, evaluate
+from .texts import check_files, encode_streams, read_files
+
+KIND = "sinklm-compare"
+# Everything compare writes in its output folder; anything else there is the user's.
+REPORT_FILES = ("report.md", "report.json", "streaming.csv", "zeroshot.csv", "streaming.png",
+                "sinks.png")
+REPORT_DIRS = ("running", "cache")
+# The files of a checkpoint folder that make the model (results files beside it do not).
+MODEL_FILES = ("config.json", "tokenizer.json", "*.safetensors", "*.safetensors.index.json",
+               "*.bin", "*.bin.index.json", "*.py")
+# Sink diagnostics: as `sinklm sinks` by default (windows of min(512, context) tokens).
+SINK_WINDOW = 512
+SINK_WINDOWS = 4
+SINK_FIRST = 4
+SINK_EPS = 0.3
+
+
+class CompareError(ValueError):
+    """Bad input to a comparison (output folder, repeated checkpoint); the message says why."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a comparison measures. ``caches`` None: the paper's grid for half the shortest
+    trained context of the checkpoints; ``tasks`` empty: no zero-shot."""
+
+    texts: tuple[Path, ...]
+    caches: tuple[CachePolicy, ...] | None = None
+    max_tokens: int | None = None
+    tasks: tuple[str, ...] = ()
+    data_dir: Path | None = None
+    limit: int | None = None
+    batch_size: int = 16
+    bootstrap_iters: int = 100_000
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass
+class Report:
+    """What a comparison wrote: the folder, its Markdown tables, the files, and how many
+    results this run computed and how many it took from the cache of an earlier run."""
+
+    output: Path
+    streaming_table: str
+    zeroshot_table: str | None
+    sinks_table: str
+    files: dict[str, str]
+    computed: int
+    reused: int
+
+    def provenance(self) -> str:
+        """One line saying which numbers were measured now."""
+        if not self.reused:
+            return f"all {self.computed} results measured in this run"
+        return (f"{self.computed} results measured in this run, {self.reused} reused from the "
+                f"cache of an earlier run ({self.output / 'cache'})")
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def checkpoint_identity(spec: str) -> dict[str, Any]:
+    """What a checkpoint's results are keyed by: its path and the size and mtime of its model
+    files (reading gigabytes to hash them would cost more than some evaluations)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        files, root = [path], path.parent
+    elif path.is_dir():
+        root = path
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and any(fnmatch(p.name, pattern) for pattern in MODEL_FILES))
+    elif HUB_ID.fullmatch(spec):
+        return {"hub": spec}
+    else:
+        raise CheckpointError(f"{spec}: no such file or folder, and not a Hub id like org/name")
+    stats = [(p.relative_to(root).as_posix(), p.stat()) for p in files]
+    return {"path": str(path.resolve()),
+            "files": [[name, s.st_size, s.st_mtime_ns] for name, s in stats]}
+
+
+def text_identity(paths: Sequence[Path]) -> list[dict[str, str]]:
+    """Each text by name and content hash: a moved copy of a book keeps its results."""
+    return [{"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in paths]
+
+
+def check_output(output: Path, overwrite: bool) -> Path:
+    """The output folder, refused if it holds anything but an earlier report (unless
+    ``overwrite``: then the report's files are replaced and the others stay)."""
+    out = output.expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--output {out} is a file; give a folder")
+    ours = set(REPORT_FILES) | set(REPORT_DIRS)
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise CompareError(
+            f"--output {out} holds {len(foreign)} entries that are not a sinklm compare report "
+            f"({shown}): pass --overwrite to write the report there anyway (those stay), or "
+            "pick another folder"
+        )
+    return out
+
+
+def unique_labels(names: Sequence[str], sources: Sequence[str]) -> list[str]:
+    """Each checkpoint's name, with the shortest distinguishing tail of its path when several
+    share a name (``tiny-5m-vanilla (a/last.ckpt)``)."""
+    labels = list(names)
+    for name in set(names):
+        group = [i for i, n in enumerate(names) if n == name]
+        if len(group) == 1:
+            continue
+        parts = [Path(sources[i]).parts for i in group]
+        for depth in range(1, max(len(p) for p in parts) + 1):
+            tails = ["/".join(p[-depth:]) for p in parts]
+            if len(set(tails)) == len(tails):
+                break
+        for i, tail in zip(group, tails, strict=True):
+            labels[i] = f"{name} ({tail})"
+    return labels
+
+
+class ModelResults:
+    """One checkpoint's cache folder: results by kind and setting, and the model loaded only
+    when something is missing."""
+
+    def __init__(self, spec: str, root: Path, settings: Settings) -> None:
+        self.spec = spec
+        self.identity = checkpoint_identity(spec)
+        key = _digest(self.identity)[:12]
+        tail = "_".join(Path(spec).parts[-3:])
+        self.folder = root / f"{_slug(tail)}-{key}"
+        self.settings = settings
+        self._checkpoint: Checkpoint | None = None
+        self.meta = self.get("model", {}) or self._describe()
+
+    def _path(self, kind: str, setting: dict[str, Any], suffix: str = ".json") -> Path:
+        return self.folder / f"{kind}-{_digest(setting)[:12]}{suffix}"
+
+    def get(self, kind: str, setting: dict[str, Any]) -> Any:
+        """A cached result, or None; a file from another identity or setting is never used."""
+        path = self._path(kind, setting)
+        if not path.is_file():
+            return None
+        document = json.loads(path.read_text())
+        if document.get("identity") != self.identity or document.get("setting") != setting:
+            return None
+        return document["result"]
+
+    def put(self, kind: str, setting: dict[str, Any], result: Any) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        document = {"identity": self.identity, "setting": setting, "result": result}
+        _write_atomic(self._path(kind, setting), json.dumps(document, indent=1) + "\n")
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        if self._checkpoint is None:
+            self._checkpoint = load_checkpoint(self.spec, device=self.settings.device,
+                                               dtype=DTYPES[self.settings.dtype])
+        return self._checkpoint
+
+    def release(self) -> None:
+        """Drop the loaded model, so several large checkpoints never sit in memory together."""
+        self._checkpoint = None
+
+    def _describe(self) -> dict[str, Any]:
+        checkpoint = self.checkpoint
+        meta = {**checkpoint.describe(), "sink_token_ids": checkpoint.sink_token_ids}
+        self.put("model", {}, meta)
+        self.release()  # loaded again only if a result is missing
+        return meta
+
+    # --- streaming ---------------------------------------------------------------------------
+
+    def stream_setting(self, policy: CachePolicy, text: list[dict[str, str]]) -> dict[str, Any]:
+        return {"text": text, "max_tokens": self.settings.max_tokens,
+                "dtype": self.settings.dtype, "cache": policy.label}
+
+    def cached_stream(self, policy: CachePolicy, text: list[dict[str, str]]) -> CacheResult | None:
+        setting = self.stream_setting(policy, text)
+        row = self.get("stream", setting)
+        losses = self._path("stream", setting, ".npy")
+        if row is None or not losses.is_file():
+            return None
+        return CacheResult(policy, np.load(losses), row["seconds"], row.get("notes", []))
+
+    def stream(self, policies: Sequence[CachePolicy], text: list[dict[str, str]],
+               on_result: Callable[[CacheResult], None]) -> None:
+        """Evaluate ``policies`` on the texts and cache each result as it comes."""
+        checkpoint = self.checkpoint
+        config = checkpoint.model.config
+        sink_ids = checkpoint.sink_token_ids
+        streams = encode_streams(read_files(list(self.settings.texts)), checkpoint.tokenizer,
+                                 sink_ids, self.settings.max_tokens)
+        longest = max(len(s.ids) for s in streams)
+        try:
+            warnings = check_policies(
+                list(policies), longest, config.max_seq_len, len(sink_ids)
+            )
+        except CacheSpecError as error:
+            raise CompareError(f"{self.spec}: {error}") from error
+        for warning in warnings:
+            _warn(f"{self.meta['name']}: {warning}")
+
+        def store(result: CacheResult) -> None:
+            setting = self.stream_setting(result.policy, text)
+            np.save(self._path("stream", setting, ".npy"), result.losses)
+            self.put("stream", setting, result.to_json())
+            on_result(result)
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        device = self.settings.device
+        evaluate(checkpoint.model, [s.ids.to(device) for s in streams], list(policies),
+                 sinks=len(sink_ids), on_result=store)
+
+    # --- sinks -------------------------------------------------------------------------------
+
+    def sink_setting(self, text: list[dict[str, str]]) -> dict[str, Any]:
+        return {"text": text, "window": min(SINK_WINDOW, self.meta["max_seq_len"]),
+                "windows": SINK_WINDOWS, "first": SINK_FIRST, "eps": SINK_EPS,
+                "dtype": self.settings.dtype}
+
+    def sinks(self, text: list[dict[str, str]]) -> None:
+        """measure_sinks on windows of the texts, as `sinklm sinks` does by default."""
+        setting = self.sink_setting(text)
+        checkpoint = self.checkpoint
+        sink_ids = checkpoint.sink_token_ids
+        window = setting["window"]
+        budget = SINK_WINDOWS * (window - len(sink_ids))
+        streams = encode_streams(read_files(list(self.settings.texts)), checkpoint.tokenizer,
+                                 [], budget)
+        report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
+                              SINK_WINDOWS, SINK_FIRST, SINK_EPS)
+        self.put("sinks", setting, report.to_json())
+
+    # --- zero-shot ---------------------------------------------------------------------------
+
+    def zeroshot_setting(self, task: str) -> dict[str, Any]:
+        s = self.settings
+        return {"task": task, "data_dir": str(s.data_dir.resolve()) if s.data_dir else None,
+                "limit": s.limit, "dtype": s.dtype, "bootstrap_iters": s.bootstrap_iters}
+
+    def zeroshot(self, tasks: Sequence[str], specs: Sequence[str | dict[str, Any]]) -> None:
+        """Run the missing ``tasks`` (with their lm-eval ``specs``) and cache each task's row."""
+        from .zeroshot import SinkLMEval, summarize
+        from .zeroshot import evaluate as zeroshot_evaluate
+
+        s = self.settings
+        model = SinkLMEval(self.checkpoint, s.batch_size)
+        raw = zeroshot_evaluate(model, specs, limit=s.limit, bootstrap_iters=s.bootstrap_iters)
+        data_dir = str(s.data_dir.resolve()) if s.data_dir else None
+        summary = summarize(raw, model, {"checkpoint": self.spec, "limit": s.limit,
+                                         "data_dir": data_dir})
+        for task in tasks:
+            row = {**summary["tasks"][task], "lm_eval_version": summary["lm_eval_version"],
+                   "date": summary["date"]}
+            self.put("zeroshot", self.zeroshot_setting(task), row)
+
+
+def _slug(text: str) -> str:
+    """``text`` as a file name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
+
+
+def _warn(message: str) -> None:
+    tqdm.write(f"sinklm compare: warning: {message}", file=sys.stderr)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    os.replace(tmp, path)
+
+
+def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
+            overwrite: bool = False) -> Report:
+    """Evaluate (or reuse) every checkpoint and write the report to ``output``."""
+    if not checkpoints:
+        raise CompareError("name at least one checkpoint")
+    out = check_output(output, overwrite)
+    check_files(list(settings.texts))
+    specs: list[str | dict[str, Any]] = []
+    if settings.tasks:
+        from .zeroshot_tasks import task_specs
+
+        specs = task_specs(settings.tasks, settings.data_dir)  # checked before any model loads
+    identities = [checkpoint_identity(spec) for spec in checkpoints]
+    for i, identity in enumerate(identities):
+        if identity in identities[:i]:
+            raise CompareError(f"checkpoint {checkpoints[i]} is given twice")
+    models = [ModelResults(spec, out / "cache", settings) for spec in checkpoints]
+    labels = unique_labels([m.meta["name"] for m in models],
+                           [m.meta["source"] for m in models])
+    caches = settings.caches or tuple(
+        paper_caches(min(m.meta["max_seq_len"] for m in models) // 2)
+    )
+    text = text_identity(settings.texts)
+
+    # What is missing, so the bar counts real work only.
+    stream_todo = [[p for p in caches if m.cached_stream(p, text) is None] for m in models]
+    sinks_todo = [m.get("sinks", m.sink_setting(text)) is None for m in models]
+    zeroshot_todo = [[t for t in settings.tasks if m.get("zeroshot", m.zeroshot_setting(t))
+                      is None] for m in models]
+    total = sum(map(len, stream_todo)) + sum(sinks_todo) + sum(map(len, zeroshot_todo))
+    with tqdm(total=total, desc="sinklm compare", unit="result", disable=total == 0,
+              file=sys.stderr) as bar:
+        for model, label, todo, sinks, tasks in zip(models, labels, stream_todo, sinks_todo,
+                                                     zeroshot_todo, strict=True):
+            if todo:
+                def done(result: CacheResult, label: str = label) -> None:
+                    tqdm.write(f"{label}: cache {result.policy.label}: ppl "
+                               f"{format_ppl(result.ppl)} over {result.tokens} tokens, "
+                               f"{result.tokens_per_second:,.0f} tokens/s", file=sys.stderr)
+                    for note in result.notes:
+                        _warn(f"{label}: cache {result.policy.label}: {note}")
+                    bar.update(1)
+
+                model.stream(todo, text, done)
+            if sinks:
+                model.sinks(text)
+                bar.update(1)
+            if tasks:
+                model.zeroshot(tasks, [specs[settings.tasks.index(t)] for t in tasks])
+                bar.update(len(tasks))
+            model.release()
+
+    streams = {label: [m.cached_stream(p, text) for p in caches]
+               for m, label in zip(models, labels, strict=True)}
+    sinks = {label: m.get("sinks", m.sink_setting(text))
+             for m, label in zip(models, labels, strict=True)}
+    zeroshot = {label: {t: m.get("zeroshot", m.zeroshot_setting(t)) for t in settings.tasks}
+                for m, label in zip(models, labels, strict=True)}
+    reused = len(models) * (len(caches) + 1 + len(settings.tasks)) - total
+    return write_report(out, models, labels, settings, caches, text, streams, sinks, zeroshot,
+                        computed=total, reused=reused)
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def zeroshot_markdown(results: dict[str, dict[str, dict[str, Any]]], tasks: Sequence[str]) -> str:
+    """Table 4's layout: a row per model, a column per task, ``acc / acc_norm`` in percent."""
+    lines = ["| Model | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
+    for label, rows in results.items():
+        cells = []
+        for task in tasks:
+            row = rows[task]
+            scores = [f"{100 * row[m]:.1f}" for m in ("acc", "acc_norm") if row.get(m) is not None]
+            cells.append(" / ".join(scores) or "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sinks_markdown(sinks: dict[str, dict[str, Any]]) -> str:
+    """Sink_1^eps and the attention each layer gives position 0 (a sink id if the model has
+    them), per model."""
+    lines = [f"| Model | Sink_1^{SINK_EPS:g} | attention to position 0 per layer |",
+             "|---|---:|---|"]
+    for label, report in sinks.items():
+        layers = ", ".join(f"{m:.3f}" for m in report["attention_to_first_per_layer"])
+        lines.append(f"| {label} | {report['sink_rate']['1']:.3f} | {layers} |")
+    return "\n".join(lines)
+
+
+def _plot_streaming(streams: dict[str, list[CacheResult]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r.policy.label for r in next(iter(streams.values()))]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels)), 4))
+    for label, results in streams.items():
+        ax.plot(labels, [r.ppl for r in results], marker="o", label=label)
+    ax.set(xlabel="KV cache (x initial + y recent tokens)", ylabel="perplexity", yscale="log",
+           title="streaming perplexity per cache")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_sinks(sinks: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, report in sinks.items():
+        mass = report["attention_to_first_per_layer"]
+        ax.plot(range(len(mass)), mass, marker="o", label=label)
+    ax.set_xticks(range(max(len(r["attention_to_first_per_layer"]) for r in sinks.values())))
+    ax.set(xlabel="layer", ylabel="mean attention to position 0", ylim=(0, 1),
+           title="attention on the first token (a sink id if the model has one)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def write_report(
+    out: Path, models: Sequence[ModelResults], labels: Sequence[str], settings: Settings,
+    caches: Sequence[CachePolicy], text: list[dict[str, str]],
+    streams: dict[str, list[CacheResult]], sinks: dict[str, dict[str, Any]],
+    zeroshot: dict[str, dict[str, dict[str, Any]]], computed: int, reused: int,
+) -> Report:
+    """report.md / report.json, the CSV tables and the plots; stale report files removed."""
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    columns = [p.label for p in caches]
+    rows = {label: [r.to_json() for r in results] for label, results in streams.items()}
+    streaming_table = markdown_table(list(rows.items()))
+    _write_csv(out / "streaming.csv", ["model", *columns],
+               [[label, *(r["ppl"] for r in results)] for label, results in rows.items()])
+    files["streaming_csv"] = str(out / "streaming.csv")
+    _plot_streaming(streams, out / "streaming.png")
+    files["streaming_plot"] = str(out / "streaming.png")
+    running = out / "running"
+    running.mkdir(exist_ok=True)
+    written = set()
+    for label, results in streams.items():
+        name = f"{_slug(label)}.png"
+        plot_running_ppl(results, running / name, label)
+        written.add(name)
+    for stale in running.glob("*.png"):
+        if stale.name not in written:
+            stale.unlink()
+    files["running_plots"] = str(running)
+
+    sinks_table = sinks_markdown(sinks)
+    _plot_sinks(sinks, out / "sinks.png")
+    files["sinks_plot"] = str(out / "sinks.png")
+
+    zeroshot_table = None
+    tasks = list(settings.tasks)
+    if tasks:
+        zeroshot_table = zeroshot_markdown(zeroshot, tasks)
+        metrics = [(t, m) for t in tasks for m in ("acc", "acc_norm")
+                   if any(rows[t].get(m) is not None for rows in zeroshot.values())]
+        _write_csv(out / "zeroshot.csv", ["model", *(f"{t}_{m}" for t, m in metrics)],
+                   [[label, *(zeroshot[label][t].get(m) for t, m in metrics)] for label in labels])
+        files["zeroshot_csv"] = str(out / "zeroshot.csv")
+    elif (out / "zeroshot.csv").is_file():
+        (out / "zeroshot.csv").unlink()
+
+    markdown = [
+        "# sinklm compare",
+        "",
+        "| Model | checkpoint | softmax | sink tokens | context | params | tokens scored |",
+        "|---|---|---|---:|---:|---:|---:|",
+        *(f"| {label} | `{m.spec}` | {m.meta['softmax']} | {m.meta['sink_tokens']} | "
+          f"{m.meta['max_seq_len']} | {m.meta['params']:,} | {streams[label][0].tokens:,} |"
+          for m, label in zip(models, labels, strict=True)),
+        "",
+        "## Streaming perplexity (StreamingLLM's Table 3 layout)",
+        "",
+        f"Text: {', '.join(t['file'] for t in text)}, tokenized by each model's tokenizer. "
+        "Cache x+y keeps the first x tokens and the y most recent, "
+        "positions re-assigned inside the cache; dense keeps everything.",
+        "",
+        streaming_table,
+        "",
+        "![perplexity per cache](streaming.png)",
+        "",
+        "Running perplexity: " + ", ".join(
+            f"[{label}](running/{_slug(label)}.png)"
+            for label in streams),
+        "",
+        "## Attention sinks",
+        "",
+        f"{SINK_WINDOWS} windows of min({SINK_WINDOW}, context) tokens of the same text, each "
+        f"starting with the model's sink ids. Sink_1^{SINK_EPS:g}: share of heads whose mean "
+        f"attention to position 0 exceeds {SINK_EPS:g}.",
+        "",
+        sinks_table,
+        "",
+        "![attention on the first token](sinks.png)",
+    ]
+    if zeroshot_table is not None:
+        limit = f"the first {settings.limit} items" if settings.limit else "all items"
+        source = f"local files in {settings.data_dir}" if settings.data_dir else "Hub datasets"
+        markdown += ["", "## Zero-shot (the paper's Table 4 layout)", "",
+                     f"acc / acc_norm in percent, {limit} of each task, {source}.", "",
+                     zeroshot_table]
+    (out / "report.md").write_text("\n".join(markdown) + "\n")
+    files["markdown"] = str(out / "report.md")
+
+    files["json"] = str(out / "report.json")
+    document = {
+        "kind": KIND,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "models": [
+            {"label": label, "checkpoint": m.spec, "model": m.meta, "identity": m.identity,
+             "cache": str(m.folder)}
+            for m, label in zip(models, labels, strict=True)
+        ],
+        "streaming": {"text": text, "max_tokens": settings.max_tokens, "dtype": settings.dtype,
+                      "caches": columns, "results": rows},
+        "sinks": {label: {k: report[k] for k in ("window", "windows", "eps", "sink_rate",
+                                                 "attention_to_first_per_layer")}
+                  for label, report in sinks.items()},
+        "zeroshot": None if not tasks else {
+            "tasks": tasks, "limit": settings.limit,
+            "data_dir": str(settings.data_dir) if settings.data_dir else None,
+            "results": zeroshot,
+        },
+        "results": {"computed": computed, "reused": reused},
+        "files": files,
+    }
+    _write_atomic(out / "report.json", json.dumps(document, indent=2) + "\n")
+    return Report(out, streaming_table, zeroshot_table, sinks_table, files, computed, reused)
+

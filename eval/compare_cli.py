@@ -1,0 +1,103 @@
+"""``sinklm compare``: several checkpoints in one report (StreamingLLM's Tables 3 and 4, plots)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .cache import parse_caches
+from .checkpoint import DTYPES
+from .cli import USER_ERRORS
+from .zeroshot_tasks import ZeroshotError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="compare checkpoints: streaming perplexity, sinks and zero-shot in one report",
+        description="Evaluate several checkpoints (a .ckpt, an exported or GPTNeoX folder, a Hub "
+        "id) on the same text and tasks, and write DIR/report.md, report.json, streaming.csv "
+        "(StreamingLLM's Table 3: perplexity per cache), zeroshot.csv (Table 4: acc / acc_norm "
+        "per task) and plots (perplexity per cache, attention on the first token per layer, "
+        "running perplexity per model). Results are cached in DIR/cache per checkpoint "
+        "(path, size and mtime of its files) and setting, so a rerun computes only what is "
+        "missing. Models are named by their configs.",
+        epilog="example: sinklm compare runs/demo/vanilla/checkpoints/last.ckpt \\\n"
+        "           runs/demo/sink_token/checkpoints/last.ckpt \\\n"
+        "           --text ../shared/data/books/frankenstein_shelley_pg84.txt \\\n"
+        "           --max-tokens 16384 --cache 0+256,1+255,2+254,4+252,dense \\\n"
+        "           --tasks arc_easy,piqa --data-dir ../shared/data/benchmarks --limit 200 \\\n"
+        "           --output runs/compare\n"
+        "caches: X+Y (0+Y is window attention), dense, recompute:L[:S]. Default: the paper's\n"
+        "grid with X+Y = half the shortest trained context of the checkpoints.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoints", nargs="+", metavar="P",
+                        help="checkpoints to compare: .ckpt, folder or Hub id")
+    parser.add_argument("--text", action="append", required=True, metavar="FILE",
+                        help="a UTF-8 text file for streaming and sinks, one stream per file "
+                        "(repeatable)")
+    parser.add_argument("--cache", help="comma-separated cache specs")
+    parser.add_argument("--max-tokens", type=int, metavar="N",
+                        help="stream the first N text tokens (across files, in order)")
+    parser.add_argument("--tasks", default="",
+                        help="comma-separated lm-eval tasks (default: none, no zero-shot)")
+    parser.add_argument("--data-dir", type=Path,
+                        help="read the tasks from local files in this folder "
+                        "(the layout of ../shared/data/benchmarks)")
+    parser.add_argument("--limit", type=int, help="score only the first N items of each task")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="zero-shot sequences per forward")
+    parser.add_argument("--bootstrap-iters", type=int, default=100_000,
+                        help="resamples for the stderr of non-mean metrics (lambada perplexity)")
+    parser.add_argument("--output", type=Path, required=True, metavar="DIR",
+                        help="the report folder (reused: its cache makes reruns cheap)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a folder that holds other files (they stay)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.set_defaults(func=run_compare)
+
+
+def _fail(message: object, code: int = 2) -> int:
+    print(f"sinklm compare: {message}", file=sys.stderr)
+    return code
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from .compare import CompareError, Settings, compare
+
+    for name, value, low in (("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
+                             ("--batch-size", args.batch_size, 1)):
+        if value is not None and value < low:
+            return _fail(f"{name} {value}: must be at least {low}")
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        return _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
+    tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
+    if args.data_dir is not None and not tasks:
+        return _fail("--data-dir is for zero-shot tasks; name them with --tasks")
+    try:
+        settings = Settings(
+            texts=tuple(Path(t).expanduser() for t in args.text),
+            caches=tuple(parse_caches(args.cache)) if args.cache is not None else None,
+            max_tokens=args.max_tokens, tasks=tasks, data_dir=args.data_dir, limit=args.limit,
+            batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters,
+            device=args.device, dtype=args.dtype,
+        )
+        report = compare(args.checkpoints, args.output, settings, args.overwrite)
+    except (*USER_ERRORS, CompareError, ZeroshotError) as error:
+        return _fail(error)
+    except ConnectionError as error:  # datasets cannot reach the Hub
+        return _fail(f"{error}: the Hub datasets need the network; --data-dir FOLDER reads "
+                     "local files instead", code=1)
+    print(report.streaming_table)
+    print()
+    print(report.sinks_table)
+    if report.zeroshot_table is not None:
+        print()
+        print(report.zeroshot_table)
+    print(f"\nreport: {report.files['markdown']} ({report.provenance()})")
+    return 0

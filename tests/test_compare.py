@@ -1,0 +1,211 @@
+"""`sinklm compare`: its tables hold what the single-model commands measure, its cache is reused
+and invalidated by the checkpoint's files, and it refuses bad input before any work.
+
+Tiny random models exported with the real GPT-NeoX tokenizer, a few hundred tokens of a real
+book, two items of one local benchmark.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from sinklm.data.tokenizer import sink_token_ids
+from sinklm.eval import compare as compare_module
+from sinklm.eval.checkpoint import Checkpoint
+from sinklm.eval.compare import unique_labels
+from sinklm.eval.export import export_model
+from sinklm.eval.report import markdown_table
+from sinklm.models import CausalLM, ModelConfig
+from sinklm.train.cli import main as sinklm_main
+
+CACHES = "0+16,1+15,4+12,dense"
+TOKENS = "400"
+
+
+@pytest.fixture(autouse=True)
+def compare_one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Leave the second core to the other jobs; one process for lm-eval's bootstrap."""
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def compare_models(tmp_path_factory: pytest.TempPathFactory, data_neox_path: Path) -> list[Path]:
+    """A vanilla and a sink-token model (context 64) as exported folders."""
+    tokenizer = Tokenizer.from_file(str(data_neox_path))
+    root = tmp_path_factory.mktemp("compare_models")
+    folders = []
+    for seed, (variant, sinks) in enumerate([("vanilla", 0), ("sink_token", 1)]):
+        torch.manual_seed(seed)
+        config = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=32, max_seq_len=64,
+                             sink_tokens=sinks)
+        model = CausalLM(config).eval()
+        with torch.no_grad():  # non-trivial attention, so sink statistics differ per model
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        copy = Tokenizer.from_str(tokenizer.to_str())
+        ids = sink_token_ids(copy, sinks, config.vocab_size)
+        checkpoint = Checkpoint(model, copy, ids, f"tiny-{variant}", "memory")
+        folders.append(export_model(checkpoint, root / variant))
+    return folders
+
+
+def compare_args(models: list[Path], book: Path, output: Path, *extra: str) -> list[str]:
+    return ["compare", *map(str, models), "--text", str(book), "--max-tokens", TOKENS,
+            "--cache", CACHES, "--output", str(output), *extra]
+
+
+ZEROSHOT = ("--tasks", "arc_easy", "--limit", "2", "--bootstrap-iters", "100")
+
+
+def test_report_holds_what_the_single_model_commands_measure(
+    compare_models: list[Path], data_shared: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    book = data_shared / "books" / "frankenstein_shelley_pg84.txt"
+    benchmarks = data_shared / "benchmarks"
+    out = tmp_path / "report"
+    zeroshot = (*ZEROSHOT, "--data-dir", str(benchmarks))
+    assert sinklm_main(compare_args(compare_models, book, out, *zeroshot)) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    labels = [m["label"] for m in report["models"]]
+    assert labels == ["tiny-vanilla", "tiny-sink_token"]
+    assert report["streaming"]["caches"] == CACHES.split(",")
+
+    rows = []
+    for label, folder in zip(labels, compare_models, strict=True):
+        single = tmp_path / label
+        common = ["--checkpoint", str(folder), "--text", str(book)]
+        assert sinklm_main(["stream-eval", *common, "--max-tokens", TOKENS, "--cache", CACHES,
+                            "--output", str(single / "stream.json")]) == 0
+        assert sinklm_main(["sinks", *common, "--output", str(single / "sinks.json")]) == 0
+        assert sinklm_main(["zeroshot", "--checkpoint", str(folder), *zeroshot,
+                            "--output", str(single / "zeroshot.json")]) == 0
+        stream = json.loads((single / "stream.json").read_text())["results"]
+        ours = report["streaming"]["results"][label]
+        assert [r["ppl"] for r in ours] == pytest.approx([r["ppl"] for r in stream], rel=1e-6)
+        assert [r["tokens"] for r in ours] == [r["tokens"] for r in stream] == [399] * 4
+        rows.append((label, stream))
+
+        sinks = json.loads((single / "sinks.json").read_text())
+        mine = report["sinks"][label]
+        assert mine["attention_to_first_per_layer"] == pytest.approx(
+            sinks["attention_to_first_per_layer"], rel=1e-6)
+        assert mine["sink_rate"] == sinks["sink_rate"]
+
+        task = json.loads((single / "zeroshot.json").read_text())["tasks"]["arc_easy"]
+        row = report["zeroshot"]["results"][label]["arc_easy"]
+        assert (row["acc"], row["acc_norm"], row["samples"]) == (
+            task["acc"], task["acc_norm"], task["samples"])
+    assert report["models"][1]["model"]["sink_token_ids"] == [50277]
+
+    table = markdown_table(rows)
+    assert table in (out / "report.md").read_text() and table in printed
+    with open(out / "streaming.csv") as file:
+        lines = list(csv.reader(file))
+    assert lines[0] == ["model", *CACHES.split(",")]
+    assert [float(v) for v in lines[2][1:]] == pytest.approx([r["ppl"] for r in rows[1][1]])
+    with open(out / "zeroshot.csv") as file:
+        assert next(csv.reader(file)) == ["model", "arc_easy_acc", "arc_easy_acc_norm"]
+    for name in ("streaming.png", "sinks.png", "running/tiny-vanilla.png", "report.md"):
+        assert (out / name).stat().st_size > 0, name
+
+
+def test_reruns_reuse_the_cache_until_a_checkpoint_changes(
+    compare_models: list[Path], data_shared: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    book = data_shared / "books" / "frankenstein_shelley_pg84.txt"
+    out = tmp_path / "report"
+    args = compare_args(compare_models, book, out)
+    assert sinklm_main(args) == 0
+    first = json.loads((out / "report.json").read_text())
+
+    loaded: list[str] = []
+    evaluated: list[list[str]] = []
+    real_load, real_evaluate = compare_module.load_checkpoint, compare_module.evaluate
+
+    def load(path: str, **kwargs: object) -> Checkpoint:
+        loaded.append(Path(path).name)
+        return real_load(path, **kwargs)
+
+    def evaluate(model: CausalLM, streams: list, policies: list, **kwargs: object) -> list:
+        evaluated.append([p.label for p in policies])
+        return real_evaluate(model, streams, policies, **kwargs)
+
+    monkeypatch.setattr(compare_module, "load_checkpoint", load)
+    monkeypatch.setattr(compare_module, "evaluate", evaluate)
+    assert sinklm_main(args) == 0
+    assert loaded == [] and evaluated == []  # nothing loaded, nothing computed
+    second = json.loads((out / "report.json").read_text())
+    assert second["streaming"] == first["streaming"] and second["sinks"] == first["sinks"]
+    assert (first["results"], second["results"]) == (
+        {"computed": 10, "reused": 0}, {"computed": 0, "reused": 10})
+
+    # One more cache and a retrained checkpoint (new weights file time): the new cache is
+    # computed for each model, everything only for the retrained one.
+    weights = compare_models[1] / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert sinklm_main(compare_args(compare_models, book, out, "--cache", CACHES + ",2+14")) == 0
+    assert set(loaded) == {"sink_token", "vanilla"}
+    assert evaluated == [["2+14"], [*CACHES.split(","), "2+14"]]
+
+def test_bad_input_is_refused_before_any_work(
+    compare_models: list[Path], data_shared: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    book = data_shared / "books" / "frankenstein_shelley_pg84.txt"
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+    def refused(args: list[str]) -> str:
+        assert sinklm_main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("sinklm compare: ") and "Traceback" not in err
+        return err
+
+    assert "--overwrite" in refused(compare_args(compare_models, book, out))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert sinklm_main(compare_args(compare_models[:1], book, out, "--cache", "4+12",
+                                    "--overwrite")) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "report.md").is_file()
+    capsys.readouterr()
+
+    fresh = tmp_path / "fresh"
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert "is a file" in refused(compare_args(compare_models, book, a_file))
+    assert "given twice" in refused(compare_args([compare_models[0]] * 2, book, fresh))
+    assert "no such file or folder" in refused(
+        compare_args([tmp_path / "missing"], book, fresh))
+    assert "does not exist" in refused(compare_args(compare_models, tmp_path / "no.txt", fresh))
+    assert "cache '5'" in refused([*compare_args(compare_models, book, fresh), "--cache", "5"])
+    assert "did you mean arc_easy" in refused(
+        [*compare_args(compare_models, book, fresh), "--tasks", "arc_eazy"])
+    assert "--tasks" in refused(
+        [*compare_args(compare_models, book, fresh), "--data-dir", str(tmp_path)])
+    assert not fresh.exists()
+
+
+def test_duplicate_names_get_the_distinguishing_end_of_their_path() -> None:
+    names = ["tiny-5m-vanilla", "tiny-5m-vanilla", "pythia-70m"]
+    sources = ["runs/a/checkpoints/last.ckpt", "runs/b/checkpoints/last.ckpt",
+               "EleutherAI/pythia-70m"]
+    assert unique_labels(names, sources) == [
+        "tiny-5m-vanilla (a/checkpoints/last.ckpt)", "tiny-5m-vanilla (b/checkpoints/last.ckpt)",
+        "pythia-70m",
+    ]
