@@ -1,10 +1,16 @@
 """Fast streaming evaluator against the token-by-token reference, in one process.
 
 Same model, stream and cache for both; prints tokens/s of each, the speed-up and the largest
-per-token loss difference on the tokens both scored, and the "head floor": the rate of the vocab
-head and log-softmax alone, which any exact evaluator must compute for every token. The
-reference decodes one token per model call, so on long streams time it on a prefix
-(``--reference-tokens``) and say so.
+per-token loss difference on the tokens both scored, and two floors, work any exact evaluator
+does for every token whatever its attention: the "head floor" (final norm, vocab head and
+log-softmax) and the "no-attention floor" (every layer's norms, projections and MLP with the
+attention itself skipped, then the head). ``speedup_bound`` is the no-attention floor against
+the reference: the speed-up of an evaluator, built from the same kernels, whose attention cost
+nothing, on this machine and thread count. The reference decodes one token per model call, so
+on long streams time it on a prefix (``--reference-tokens``) and say so.
+
+The machine may be shared: the load average before and after is recorded, and CPU seconds
+beside wall seconds (with one thread, CPU time is what the work cost, whatever the load).
 
     python benchmarks/stream_eval.py                                  # tiny-1m, 20k tokens, 4+252
     python benchmarks/stream_eval.py --tokens 1000000 --fast-only    # flat memory on 1M tokens
@@ -16,45 +22,74 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sinklm.eval.cache import parse_cache
-from sinklm.eval.streaming import DEFAULT_CHUNK, fast_losses, reference_losses
+from sinklm.eval.streaming import DEFAULT_CHUNK, VocabHead, fast_losses, reference_losses
 from sinklm.models import PRESETS, VARIANTS, CausalLM, ModelConfig
 
 
-def timed(run: Callable[[], torch.Tensor], device: str) -> tuple[torch.Tensor, float]:
-    """The losses ``run`` returns and its wall time, waiting for the GPU to finish."""
+@dataclass
+class Timing:
+    wall: float
+    cpu: float  # this process's CPU seconds, all threads
+
+
+def timed(run: Callable[[], torch.Tensor], device: str) -> tuple[torch.Tensor, Timing]:
+    """The losses ``run`` returns and its wall and CPU time, waiting for the GPU to finish."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     losses = run()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return losses, time.perf_counter() - start
+    return losses, Timing(time.perf_counter() - start, time.process_time() - start_cpu)
 
 
-@torch.no_grad()
-def head_floor(model: CausalLM, ids: torch.Tensor, device: str) -> float:
-    """Seconds for the final norm, vocab head and log-softmax of every scored token: work any
-    exact evaluator does, so the fast path can be at most this fast."""
-    hidden = torch.randn(512, model.config.d_model, device=device)  # reused: memory stays flat
+def median(timings: list[Timing]) -> Timing:
+    return Timing(statistics.median(t.wall for t in timings),
+                  statistics.median(t.cpu for t in timings))
 
-    def head() -> torch.Tensor:
-        for r in range(0, len(ids) - 1, 512):
-            targets = ids[r + 1 : r + 513]
-            logits = model.embed_out(model.gpt_neox.final_layer_norm(hidden[: len(targets)]))
-            F.cross_entropy(logits.float(), targets, reduction="none")
-        return hidden
 
-    return statistics.median(timed(head, device)[1] for _ in range(3))
+@torch.inference_mode()
+def floors(model: CausalLM, ids: torch.Tensor, device: str, chunk: int) -> tuple[Timing, Timing]:
+    """Times of the head alone and of the model without attention on every scored token, in
+    chunks as the fast path runs (one hidden chunk reused: memory stays flat)."""
+    n, d = len(ids) - 1, model.config.d_model
+    hidden = torch.randn(chunk, d, device=device)
+    head = VocabHead(model, chunk)
+    out = torch.empty(chunk, device=device)
+
+    def head_only() -> torch.Tensor:
+        for r in range(0, n, chunk):
+            targets = ids[r + 1 : r + 1 + chunk]
+            head.losses(hidden[: len(targets)], targets, out[: len(targets)])
+        return out
+
+    def without_attention() -> torch.Tensor:
+        for r in range(0, n, chunk):
+            targets = ids[r + 1 : r + 1 + chunk]
+            x = hidden[: len(targets)]
+            for block in model.gpt_neox.layers:
+                attn, x_in = block.attention, block.input_layernorm(x)
+                mixed = attn.query_key_value(x_in)[:, :d]  # attention for free: any d columns
+                if attn.softmax == "gated":
+                    mixed = mixed * torch.sigmoid(attn.gate(x_in))
+                x = x + attn.dense(mixed) + block.mlp(block.post_attention_layernorm(x))
+            head.losses(x, targets, out[: len(targets)])
+        return out
+
+    return tuple(  # type: ignore[return-value]
+        median([timed(run, device)[1] for _ in range(3)]) for run in (head_only, without_attention)
+    )
 
 
 def peak_rss_mib() -> float:
@@ -74,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast-only", action="store_true", help="skip the reference")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--repeat", type=int, default=5,
-                        help="fast runs; the median time counts (the machine may be shared)")
+                        help="fast runs, half before and half after the reference; the median "
+                        "time counts (the machine may be shared)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--reference-threads", type=int,
+                        help="torch CPU threads for the reference (default: --threads); its "
+                        "one-token ops gain nothing from more, and lose a little on CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -92,38 +131,56 @@ def main(argv: list[str] | None = None) -> int:
     sink_ids = torch.arange(config.vocab_size - sinks, config.vocab_size)
     ids = torch.cat([sink_ids, text]).to(args.device)
 
-    runs = [
-        timed(lambda: fast_losses(model, ids, policy, sinks, args.chunk_size), args.device)
-        for _ in range(max(1, args.repeat))
-    ]
-    fast = runs[0][0]
-    fast_seconds = statistics.median(seconds for _, seconds in runs)
+    def run_fast() -> tuple[torch.Tensor, Timing]:
+        return timed(lambda: fast_losses(model, ids, policy, sinks, args.chunk_size), args.device)
+
+    # Fast runs on both sides of the reference: a load that changes meanwhile shows in both.
+    load_before = os.getloadavg()[0]
+    repeat = max(1, args.repeat)
+    runs = [run_fast() for _ in range(-(-repeat // 2))]
+    fast, n = runs[0][0], len(runs[0][0])
     peak_after_fast = peak_rss_mib()
-    result = {
+    head, no_attention = floors(model, ids, args.device, args.chunk_size)
+    threads = torch.get_num_threads()
+    if not args.fast_only:
+        prefix = min(args.reference_tokens or args.tokens, args.tokens)
+        torch.set_num_threads(args.reference_threads or threads)
+        reference, reference_time = timed(
+            lambda: reference_losses(model, ids[: sinks + prefix], policy, sinks), args.device
+        )
+        torch.set_num_threads(threads)
+    runs += [run_fast() for _ in range(repeat // 2)]
+    fast_time = median([timing for _, timing in runs])
+    fast_rate = n / fast_time.wall
+    result: dict[str, object] = {
         "preset": args.preset, "variant": args.variant, "cache": policy.label,
-        "device": args.device, "threads": torch.get_num_threads(),
+        "device": args.device, "threads": threads,
         "stream_tokens": args.tokens, "chunk_size": args.chunk_size,
-        "fast_tokens_per_second": len(fast) / fast_seconds, "fast_seconds": fast_seconds,
-        "fast_runs": len(runs),
-        "head_floor_tokens_per_second": len(fast) / head_floor(model, ids, args.device),
+        "fast_tokens_per_second": fast_rate,
+        "fast_tokens_per_second_range": [n / max(t.wall for _, t in runs),
+                                         n / min(t.wall for _, t in runs)],
+        "fast_seconds": fast_time.wall, "fast_cpu_seconds": fast_time.cpu, "fast_runs": len(runs),
+        "head_floor_tokens_per_second": n / head.wall,
+        "no_attention_floor_tokens_per_second": n / no_attention.wall,
         "ppl": float(torch.exp(fast.double().mean())),
         "peak_rss_mib_after_fast": peak_after_fast,
     }
     if not args.fast_only:
-        prefix = min(args.reference_tokens or args.tokens, args.tokens)
-        reference, reference_seconds = timed(
-            lambda: reference_losses(model, ids[: sinks + prefix], policy, sinks), args.device
-        )
         diff = (reference - fast[: len(reference)]).abs().max().item()
-        reference_rate = len(reference) / reference_seconds
+        reference_rate = len(reference) / reference_time.wall
         result |= {
             "reference_tokens": prefix,
+            "reference_threads": args.reference_threads or threads,
             "reference_tokens_per_second": reference_rate,
-            "reference_seconds": reference_seconds,
-            "speedup": result["fast_tokens_per_second"] / reference_rate,
+            "reference_seconds": reference_time.wall,
+            "reference_cpu_seconds": reference_time.cpu,
+            "speedup": fast_rate / reference_rate,
+            "speedup_cpu_time": (reference_time.cpu / len(reference)) / (fast_time.cpu / n),
+            "speedup_bound": n / no_attention.wall / reference_rate,
             "max_abs_loss_diff": diff,
             "identical_within_1e-4": diff < 1e-4,
         }
+    result |= {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     print(json.dumps(result, indent=2))
     return 0
 

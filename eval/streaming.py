@@ -10,11 +10,14 @@ sits at position ``P_j = min(j, x + y)``; the first x tokens sit at positions 0.
 recent token ``i`` (``max(x, j - y) <= i <= j``) at ``P_j - (j - i)``. Rotary scores depend only
 on the position difference, so recent keys are seen at their *true* distance ``j - i`` (a band,
 i.e. sliding-window attention over a chunk of queries) and initial keys at distance
-``P_j - i``: a separate score block with the query rotated to ``P_j`` (carried in extra head
-dims, see :class:`ChunkGeometry`). Both blocks share one softmax. A token's keys and values
+``P_j - i``: separate score columns with the query rotated to ``P_j`` (see
+:class:`ChunkGeometry`). Both share one softmax row. A token's keys and values
 at every layer are computed once, when it is the query, from what the cache held then; the
 fast path keeps exactly those (x initial and y recent per layer), so its memory is flat in the
 stream length.
+
+Both evaluators run under ``torch.inference_mode``: it dispatches each op more cheaply than
+``no_grad``, which makes the reference (one token per model call) 15-20% faster on CPU.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from sinklm.models.model import Attention, RotaryEmbedding
 
 from .cache import CachePolicy, Recompute, StartRecent
 
-# Queries per fast step; bigger amortises the per-layer work, smaller bounds the score block.
-DEFAULT_CHUNK = 1024
+# Queries per fast step; bigger amortises the per-step overhead (~1 ms of op dispatch on CPU),
+# smaller bounds the score block. 2048 measured best on CPU (tiny-1m, 4+252; 1024: -3..8%).
+DEFAULT_CHUNK = 2048
 # Tokens per batch of recomputed windows (windows x window length).
 RECOMPUTE_BATCH_TOKENS = 16384
 # Rows per call of the vocab head: bounds the logits in memory (512 x 50304 floats = 100 MB).
@@ -51,12 +55,35 @@ def _token_losses(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
-def _head_losses(model: CausalLM, hidden: Tensor, targets: Tensor, out: Tensor) -> None:
-    """Losses of hidden states [R, d] through the final norm and vocab head, written into
-    ``out`` [R], in row blocks so the logits never take more than HEAD_ROWS x vocab floats."""
-    for r in range(0, len(hidden), HEAD_ROWS):
-        logits = model.embed_out(model.gpt_neox.final_layer_norm(hidden[r : r + HEAD_ROWS]))
-        out[r : r + HEAD_ROWS] = _token_losses(logits, targets[r : r + HEAD_ROWS])
+class VocabHead:
+    """Final norm, vocab head and per-token losses of hidden states, ``HEAD_ROWS`` rows at a time.
+
+    The same numbers as cross-entropy on the logits with less memory traffic, since the head is
+    a large share of the fast path (the largest on small models): one logits buffer serves
+    every block (a fresh one per block costs page faults), the log-softmax is taken in place
+    and only the target column is read back.
+    """
+
+    def __init__(self, model: CausalLM, rows: int) -> None:
+        self.norm = model.gpt_neox.final_layer_norm
+        self.embed_out = model.embed_out
+        weight = model.embed_out.weight
+        self.logits = torch.empty(min(rows, HEAD_ROWS), weight.shape[0], dtype=torch.float32,
+                                  device=weight.device)
+
+    @torch.inference_mode()
+    def losses(self, hidden: Tensor, targets: Tensor, out: Tensor) -> None:
+        """Losses of hidden states [R, d] against ``targets`` [R], written into ``out`` [R]."""
+        for r in range(0, len(hidden), HEAD_ROWS):
+            normed = self.norm(hidden[r : r + HEAD_ROWS])
+            logits = self.logits[: len(normed)]
+            if normed.dtype == logits.dtype:
+                torch.mm(normed, self.embed_out.weight.t(), out=logits)
+            else:  # logits in the model's dtype, then fp32 as the reference
+                logits.copy_(self.embed_out(normed))
+            torch.log_softmax(logits, dim=-1, out=logits)
+            torch.neg(logits.gather(1, targets[r : r + HEAD_ROWS, None])[:, 0],
+                      out=out[r : r + HEAD_ROWS])
 
 
 def _output(ids: Tensor, sinks: int) -> Tensor:
@@ -85,7 +112,7 @@ def _check_stream(model: CausalLM, ids: Tensor, sinks: int) -> None:
 # --- reference ---------------------------------------------------------------------------------
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: int = 0) -> Tensor:
     """Per-token losses [len(ids) - sinks - 1], one model call per token: the definition itself.
 
@@ -140,7 +167,7 @@ def _recompute_check(policy: Recompute, sinks: int) -> None:
         )
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int) -> Tensor:
     _recompute_check(policy, sinks)
     losses = _output(ids, sinks)
@@ -178,17 +205,20 @@ Rope = tuple[Tensor, Tensor]
 class ChunkGeometry:
     """Rotary tables and the mask of one chunk of queries, shared by every layer.
 
-    The chunk's queries go in ``blocks`` blocks of ``block`` (the last padded); block ``i`` sees
-    a window of ``y + block`` band keys (the padded band is the y keys before the chunk, then the
-    chunk's own) plus the fixed prefix: the implicit sink key, if any, and the initial keys.
-    Band keys sit at local positions 0.. and the queries at y.., so angles stay small whatever
-    the stream index. Initial keys need the query rotated to ``P_j`` instead: rotary touches
-    only the first ``r`` dims of a head, so a query carries both rotations side by side
-    ([rotated for the band | unrotated rest | rotated to P_j], D + r dims) and each key fills the
-    slots of its kind with zeros elsewhere: one matmul scores both kinds exactly.
+    The chunk's queries go in ``blocks`` blocks of ``block`` (the last padded). A query's score
+    row holds the prefix (the implicit sink, if any, then the initial keys the stream has
+    reached), then its block's window of ``y + block`` band keys: the padded band is the y keys
+    before the chunk, then the chunk's own, and window ``i`` starts at ``i * block``, so the
+    windows are overlapping views of one band tensor, never copied. Band keys sit at local
+    positions 0.. and the queries at y.., so angles stay small whatever the stream index;
+    for the prefix the query is rotated to ``P_j`` instead.
+
+    Everything here depends on the chunk's start only through ``min(start, x + y)``: once the
+    cache is full, every chunk of a given size has the same geometry (built once).
     """
 
-    band: Rope  # [1, y + blocks * block, r] at local positions 0..
+    size: int  # queries in the chunk
+    band: Rope  # [1, prefix + y + blocks * block, r] at local positions -prefix..
     query: Rope  # the chunk's queries at local positions y..
     initial: Rope  # initial keys at 0..x-1 (those the stream has reached)
     initial_query: Rope  # each query at P_j = min(j, x + y)
@@ -204,11 +234,12 @@ class ChunkGeometry:
         x, y = policy.sinks, policy.recent
         blocks = -(-size // block)
         padded = blocks * block
-        local = torch.arange(y + padded, device=device)
-        cos, sin = (table[0] for table in rotary.cos_sin(local[None], dtype))  # [1, n, r]
         query = torch.arange(start, start + padded, device=device).view(blocks, block, 1)
         initial = torch.arange(min(x, start + size), device=device)  # those seen so far
-        position_q = torch.clamp(query.reshape(1, -1), max=x + y)
+        prefix = sink_key + len(initial)
+        local = torch.arange(-prefix, y + padded, device=device)  # the keys' zero rows first
+        cos, sin = (table[0] for table in rotary.cos_sin(local[None], dtype))  # [1, n, r]
+        position_q = torch.clamp(query.reshape(1, -1), max=x + y)[:, :size]
         window = torch.arange(y + block, device=device)
         # Stream index of band key w in block i's window; the padded band starts at start - y.
         key = (start - y) + torch.arange(blocks, device=device).view(blocks, 1, 1) * block + window
@@ -219,8 +250,9 @@ class ChunkGeometry:
         cos_i, sin_i = rotary.cos_sin(initial[None], dtype)
         cos_q, sin_q = rotary.cos_sin(position_q, dtype)
         return cls(
+            size=size,
             band=(cos, sin),
-            query=(cos[:, y:], sin[:, y:]),
+            query=(cos[:, prefix + y : prefix + y + size], sin[:, prefix + y : prefix + y + size]),
             initial=(cos_i[0], sin_i[0]),
             initial_query=(cos_q[0], sin_q[0]),
             block=block,
@@ -239,6 +271,7 @@ class StartRecentState:
     policy: StartRecent
     layers: list[LayerCache]
     next_index: int = 0  # stream index of the next token to feed
+    steady: ChunkGeometry | None = None  # the geometry of full-cache chunks, of the last size
 
     @classmethod
     def empty(cls, model: CausalLM, policy: StartRecent) -> StartRecentState:
@@ -249,95 +282,134 @@ class StartRecentState:
 
     @property
     def query_block(self) -> int:
-        """Queries per block: a block's window holds y + block keys for ~y needed (waste ~1.5x)."""
-        return max(64, self.policy.recent // 2)
+        """Queries per block: a window holds y + block keys for at most y + 1 needed, so small
+        blocks waste less, but each block is one small matmul. 32 measured best for y = 252 on
+        CPU (24..64 within a few percent); y // 8 keeps the waste at 1.125x for big caches."""
+        return max(32, self.policy.recent // 8)
 
     def cached_tokens(self) -> list[int]:
         """Entries held per layer (initial + recent); never more than x + y."""
         return [c.initial_k.shape[1] + c.recent_k.shape[1] for c in self.layers]
 
-    @torch.no_grad()
+    def _geometry(self, model: CausalLM, size: int, dtype: torch.dtype,
+                  device: torch.device) -> ChunkGeometry:
+        """The chunk's geometry, reused while the cache is full and the chunk size unchanged."""
+        start = min(self.next_index, self.policy.size)
+        steady = start == self.policy.size
+        if steady and self.steady is not None and self.steady.size == size:
+            return self.steady
+        decoder = model.gpt_neox
+        blocks = -(-size // self.query_block)
+        geometry = ChunkGeometry.build(
+            decoder.rotary, self.policy, start, size,
+            block=-(-size // blocks),  # equal blocks: at most blocks - 1 padded queries
+            sink_key=decoder.layers[0].attention.sink() is not None, dtype=dtype, device=device,
+        )
+        if steady:
+            self.steady = geometry
+        return geometry
+
+    @torch.inference_mode()
     def feed(self, model: CausalLM, ids: Tensor) -> Tensor:
         """Hidden states (before the final norm) [len(ids), d] of the next ``len(ids)`` tokens."""
         decoder = model.gpt_neox
-        hidden = decoder.embed_in(ids).unsqueeze(0)
-        blocks = -(-len(ids) // self.query_block)
-        geometry = ChunkGeometry.build(
-            decoder.rotary, self.policy, self.next_index, len(ids),
-            block=-(-len(ids) // blocks),  # equal blocks: at most blocks - 1 padded queries
-            sink_key=decoder.layers[0].attention.sink() is not None,
-            dtype=hidden.dtype, device=ids.device,
-        )
+        hidden = decoder.embed_in(ids)
+        geometry = self._geometry(model, len(ids), hidden.dtype, ids.device)
         for block, layer in zip(decoder.layers, self.layers, strict=True):
             attn = self._attention(block.attention, decoder.rotary, block.input_layernorm(hidden),
                                    layer, geometry)
             hidden = hidden + attn + block.mlp(block.post_attention_layernorm(hidden))
         self.next_index += len(ids)
-        return hidden[0]
+        return hidden
 
     def _attention(
         self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, layer: LayerCache,
         geometry: ChunkGeometry,
     ) -> Tensor:
         x, y = self.policy.sinks, self.policy.recent
-        a, c = self.next_index, x_in.shape[1]
+        a, c = self.next_index, x_in.shape[0]
         h, d, r = attn.n_head, attn.head_dim, rotary.rotary_dims
         blocks, block = geometry.blocks, geometry.block
-        q, k, v = attn.query_key_value(x_in[0]).view(c, h, 3 * d).transpose(0, 1).chunk(3, -1)
+        padded, window = blocks * block, y + block
+        q, k, v = attn.query_key_value(x_in).view(c, h, 3 * d).transpose(0, 1).chunk(3, -1)
         if a < x:  # this chunk holds some of the first x tokens: kept for good
             take = min(x - a, c)
             layer.initial_k = torch.cat([layer.initial_k, k[:, :take]], dim=1)
             layer.initial_v = torch.cat([layer.initial_v, v[:, :take]], dim=1)
-        band_k = torch.cat([layer.recent_k, k], dim=1)
-        band_v = torch.cat([layer.recent_v, v], dim=1)
-        keep = max(0, band_k.shape[1] - y)
-        layer.recent_k, layer.recent_v = band_k[:, keep:], band_v[:, keep:]
-
-        # Pad the band to y keys before the chunk and whole blocks after it; the mask hides both.
-        pad = blocks * block - c
-        left = y - (band_k.shape[1] - c)
-        band_k = F.pad(band_k, (0, 0, left, pad))
-        band_v = F.pad(band_v, (0, 0, left, pad))
-        q = F.pad(q, (0, 0, 0, pad))
-        # Queries [band rotation | rest | rotary dims at P_j]; keys fill their kind's slots.
-        query = torch.cat(
-            [rotary.apply(q, *geometry.query), rotary.apply(q[..., :r], *geometry.initial_query)],
-            dim=-1,
-        ) / math.sqrt(d)
-        band_keys = F.pad(rotary.apply(band_k, *geometry.band), (0, r))
-        initial = layer.initial_k
-        prefix_k = torch.cat(
-            [torch.zeros_like(initial[..., :r]), initial[..., r:],
-             rotary.apply(initial[..., :r], *geometry.initial)],
-            dim=-1,
-        )
-        prefix_v = layer.initial_v
         sink = attn.sink()
-        if sink is not None:  # the implicit sink as one more key: score sink_logit, value zero
-            query = F.pad(query, (0, 1), value=1.0)
-            band_keys = F.pad(band_keys, (0, 1))
-            sink_key = F.pad(sink.to(query.dtype).view(h, 1, 1), (d + r, 0))
-            prefix_k = torch.cat([sink_key, F.pad(prefix_k, (0, 1))], dim=1)
-            prefix_v = torch.cat([v.new_zeros(h, 1, d), prefix_v], dim=1)
+        first = int(sink is not None)  # the first initial key's column
+        prefix = first + layer.initial_k.shape[1]
 
-        # [h, blocks, prefix + y + block, dims]: the prefix, then each block's band window.
-        window = y + block
-        keys = torch.cat([prefix_k.unsqueeze(1).expand(h, blocks, -1, -1),
-                          band_keys.unfold(1, window, block).transpose(-1, -2)], dim=2)
-        values = torch.cat([prefix_v.unsqueeze(1).expand(h, blocks, -1, -1),
-                            band_v.unfold(1, window, block).transpose(-1, -2)], dim=2)
-        scores = query.view(h, blocks, block, -1) @ keys.transpose(-1, -2)
+        # The band: y slots before the chunk (the first ones empty until y tokens have passed),
+        # then the chunk, then padding to whole blocks; the mask hides the empty slots. Keys get
+        # `prefix` more zero rows in front: window i of the keys is then
+        # keys[i * block : i * block + prefix + window], a strided view, and one bmm per head
+        # fills that head's contiguous scores (MKL's batched path); the first `prefix` columns,
+        # scored against zero keys, are overwritten with the prefix's scores. Each buffer is
+        # written once and rotated in place (rotary touches only the first r dims).
+        held = layer.recent_k.shape[1]
+        keys = _band(layer.recent_k, k, prefix + y - held, padded - c)
+        keys[..., :r] = rotary.apply(keys[..., :r], *geometry.band)
+        values = _band(layer.recent_v, v, y - held, padded - c)
+        if c >= y:  # the new recent keys (before rotary) and values: views, no copy
+            layer.recent_k, layer.recent_v = k[:, c - y :], v[:, c - y :]
+        else:
+            layer.recent_k = torch.cat([layer.recent_k, k], dim=1)[:, -y:]
+            layer.recent_v = torch.cat([layer.recent_v, v], dim=1)[:, -y:]
+        scale = 1.0 / math.sqrt(d)
+        query = q.new_empty(h, padded, d)
+        torch.mul(q, scale, out=query[:, :c])
+        query[:, c:] = 0.0  # padded queries: finite, and dropped below
+        query[:, :c, :r] = rotary.apply(query[:, :c, :r], *geometry.query)
+
+        # Score rows [h, blocks, block, prefix + window]: the prefix columns (the implicit sink
+        # if any, then the initial keys seen so far), then the block's window of the band.
+        scores = q.new_empty(h, blocks, block, prefix + window)
+        key_windows = keys.unfold(1, prefix + window, block)  # [h, blocks, d, prefix + window]
+        for head in range(h):  # bmm takes one batch stride: one call per head
+            torch.bmm(query[head].view(blocks, block, d), key_windows[head], out=scores[head])
+        rows = scores.view(h, padded, -1)
+        if sink is not None:  # the implicit sink as a key: score sink_logit, value zero
+            rows[:, :, 0] = sink.to(scores.dtype).view(h, 1)
+        if prefix > first:  # the query rotated to P_j; its other dims are the band query's
+            initial = rows[:, :c, first:prefix]
+            initial_k = layer.initial_k
+            rotated = rotary.apply(initial_k[..., :r], *geometry.initial)
+            torch.bmm(rotary.apply(q[..., :r] * scale, *geometry.initial_query),
+                      rotated.transpose(1, 2), out=initial)
+            initial.baddbmm_(query[:, :c, r:], initial_k[..., r:].transpose(1, 2))
+            rows[:, c:, first:prefix] = 0.0  # padded queries: finite, and dropped below
         scores += geometry.bias
-        accumulate = torch.promote_types(scores.dtype, torch.float32)
-        probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(values.dtype)
-        out = (probs @ values).view(h, blocks * block, d)[:, :c]
-        out = out.transpose(0, 1).reshape(1, c, h * d)
+        accumulate = torch.promote_types(scores.dtype, torch.float32)  # as the model's kernels
+        if accumulate == scores.dtype:  # in place: one score-sized buffer fewer per layer
+            probs = torch.softmax(scores, dim=-1, out=scores)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(scores.dtype)
+        value_windows = values.unfold(1, window, block).transpose(-1, -2)  # [h, blocks, window, d]
+        out = q.new_empty(h, blocks, block, d)
+        for head in range(h):
+            torch.bmm(probs[head, ..., prefix:], value_windows[head], out=out[head])
+        out = out.view(h, padded, d)
+        if prefix > first:
+            out.baddbmm_(probs.view(h, padded, -1)[:, :, first:prefix], layer.initial_v)
+        out = out[:, :c].transpose(0, 1).reshape(c, h * d)
         if attn.softmax == "gated":
             out = out * torch.sigmoid(attn.gate(x_in))
         return attn.dense(out)
 
 
-@torch.no_grad()
+def _band(held: Tensor, new: Tensor, before: int, after: int) -> Tensor:
+    """[H, before + held + new + after, D]: the held and new rows between zero rows, one copy."""
+    h, n, d = held.shape[0], held.shape[1] + new.shape[1], held.shape[2]
+    band = held.new_empty(h, before + n + after, d)
+    band[:, :before] = 0.0
+    band[:, before : before + held.shape[1]] = held
+    band[:, before + held.shape[1] : before + n] = new
+    band[:, before + n :] = 0.0
+    return band
+
+
+@torch.inference_mode()
 def fast_losses(
     model: CausalLM,
     ids: Tensor,
@@ -359,6 +431,7 @@ def fast_losses(
         return _recompute_fast(model, ids, policy, sinks)
     n = len(ids)
     state = StartRecentState.empty(model, policy) if isinstance(policy, StartRecent) else None
+    head = VocabHead(model, chunk_size)
     cache = KVCache(model.config.n_layer)
     losses = _output(ids, sinks)
     for a in range(0, n - 1, chunk_size):
@@ -367,8 +440,8 @@ def fast_losses(
         if state is not None:
             hidden = state.feed(model, ids[a:b])
             if first < b:
-                _head_losses(model, hidden[first - a :], ids[first + 1 : b + 1],
-                             losses[first - sinks : b - sinks])
+                head.losses(hidden[first - a :], ids[first + 1 : b + 1],
+                            losses[first - sinks : b - sinks])
         else:
             logits = model(ids[a:b].unsqueeze(0), cache=cache)[0]
             if first < b:
@@ -378,7 +451,7 @@ def fast_losses(
     return losses.cpu()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _hidden(model: CausalLM, batch: Tensor) -> Tensor:
     """Hidden states [B, T, d] of windows encoded from position 0, without the vocab head."""
     decoder = model.gpt_neox
@@ -390,7 +463,7 @@ def _hidden(model: CausalLM, batch: Tensor) -> Tensor:
     return x
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int) -> Tensor:
     """Queries inside the first window share one causal pass; later windows go in batches."""
     _recompute_check(policy, sinks)
@@ -399,8 +472,9 @@ def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int)
     first_end = min(window - 1, n - 2)
     hidden = _hidden(model, ids[: first_end + 1].unsqueeze(0))[0]
     losses = _output(ids, sinks)
-    _head_losses(model, hidden[sinks:], ids[sinks + 1 : first_end + 2],
-                 losses[: first_end + 1 - sinks])
+    head = VocabHead(model, HEAD_ROWS)
+    head.losses(hidden[sinks:], ids[sinks + 1 : first_end + 2],
+                losses[: first_end + 1 - sinks])
     later = [end for end in ends if end > first_end]
     per_batch = max(1, RECOMPUTE_BATCH_TOKENS // window)
     offsets = torch.arange(window - sinks, device=ids.device)
@@ -415,8 +489,8 @@ def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int)
         for b, end in enumerate(batch_ends.tolist()):
             rows.append(hidden[b, window - len(_scored_queries(end, previous, policy)) :])
             previous = end
-        _head_losses(model, torch.cat(rows), ids[start + 1 : previous + 2],
-                     losses[start - sinks : previous + 1 - sinks])
+        head.losses(torch.cat(rows), ids[start + 1 : previous + 2],
+                    losses[start - sinks : previous + 1 - sinks])
     return losses.cpu()
 
 

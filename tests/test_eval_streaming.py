@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 from sinklm.eval.cache import CachePolicy, Dense, StartRecent, parse_cache
 from sinklm.eval.streaming import (
+    HEAD_ROWS,
     StartRecentState,
     StreamError,
+    VocabHead,
     evaluate,
     fast_losses,
     reference_losses,
@@ -184,6 +186,64 @@ def test_fast_equals_reference_with_query_blocks(softmax: str) -> None:
     expected = reference_losses(model, ids, policy, 1)
     got = fast_losses(model, ids, policy, 1, chunk_size=300)
     assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("softmax", ["softmax", "sink_logit"])
+def test_fast_equals_reference_when_chunk_sizes_change(softmax: str) -> None:
+    """Chunks of changing sizes through the state: the geometry of full-cache chunks is built
+    once per size and reused, and must not leak from one size to another."""
+    model = sharp_model(softmax, sink_tokens=1)
+    ids = stream(90, 1)
+    policy = StartRecent(2, 9)
+    expected = reference_losses(model, ids, policy, 1)
+    state = StartRecentState.empty(model, policy)
+    hidden, a = [], 0
+    for size in [4, 3, 7, 7, 7, 5, 7, 7, 1, 1, 12, 20, 9]:  # the cache is full from 11 on
+        hidden.append(state.feed(model, ids[a : a + size]))
+        a += size
+    assert a == len(ids) - 1
+    with torch.no_grad():
+        logits = model.embed_out(model.gpt_neox.final_layer_norm(torch.cat(hidden)))
+        got = F.cross_entropy(logits[1:], ids[2:], reduction="none")
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_vocab_head_equals_cross_entropy_across_row_blocks() -> None:
+    model = sharp_model("softmax")
+    rows = 2 * HEAD_ROWS + 37
+    hidden = torch.randn(rows, model.config.d_model, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, VOCAB, (rows,), generator=torch.Generator().manual_seed(1))
+    out = torch.full((rows,), float("nan"))
+    VocabHead(model, rows).losses(hidden, targets, out)
+    with torch.no_grad():
+        logits = model.embed_out(model.gpt_neox.final_layer_norm(hidden))
+    expected = F.cross_entropy(logits, targets, reduction="none")
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("softmax", ["softmax1", "gated"])
+def test_fast_equals_reference_in_float64(softmax: str) -> None:
+    """Models in another dtype than the fp32 logits buffer take the head's copy path."""
+    model = sharp_model(softmax, sink_tokens=1).double()
+    ids = stream(30, 1)
+    for spec in ["0+8", "2+6"]:
+        policy = parse_cache(spec)
+        expected = reference_losses(model, ids, policy, 1)
+        got = fast_losses(model, ids, policy, 1, chunk_size=7)
+        assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("softmax", ["softmax", "sink_logit"])
+def test_fast_runs_in_bfloat16(softmax: str) -> None:
+    """bf16 takes the branches that accumulate in fp32 out of place. Both evaluators round
+    bf16 in different orders, so they agree only to bf16 precision, not to 1e-4."""
+    model = sharp_model(softmax, sink_tokens=1).to(torch.bfloat16)
+    ids = stream(30, 1)
+    policy = StartRecent(2, 6)
+    expected = reference_losses(model, ids, policy, 1)
+    got = fast_losses(model, ids, policy, 1, chunk_size=7)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - expected).abs().max().item() < 0.1
 
 
 def test_fast_memory_is_bounded_by_the_cache() -> None:
