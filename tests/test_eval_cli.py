@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +33,6 @@ needs_data = pytest.mark.skipif(
     "set SINKLM_SHARED_DATA",
 )
 
-
-@pytest.fixture(autouse=True)
-def eval_one_thread() -> Iterator[None]:
-    """Leave the second core to the other jobs on this machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hf_folder(path: Path, vocab_size: int = 50304, sinklm: dict | None = None,

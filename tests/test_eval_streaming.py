@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,6 @@ from sinklm.models import SOFTMAX_VARIANTS, CausalLM, ModelConfig
 
 VOCAB = 97
 
-
-@pytest.fixture(autouse=True)
-def eval_one_thread() -> Iterator[None]:
-    """Leave the second core to the other jobs on this machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sharp_model(softmax: str, sink_tokens: int = 0, seed: int = 0) -> CausalLM:
