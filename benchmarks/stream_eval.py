@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast-only", action="store_true", help="skip the reference")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--repeat", type=int, default=5,
-                        help="fast runs, half before and half after the reference; the median "
-                        "time counts (the machine may be shared)")
+                        help="fast runs per round, half before and half after the reference")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of fast runs around one reference run; the speed-up is the "
+                        "median of the rounds' (the machine may be shared)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--reference-threads", type=int,
                         help="torch CPU threads for the reference (default: --threads); its "
@@ -134,22 +136,35 @@ def main(argv: list[str] | None = None) -> int:
     def run_fast() -> tuple[torch.Tensor, Timing]:
         return timed(lambda: fast_losses(model, ids, policy, sinks, args.chunk_size), args.device)
 
-    # Fast runs on both sides of the reference: a load that changes meanwhile shows in both.
+    # Rounds of fast runs on both sides of one reference run: a load that changes meanwhile
+    # shows in both, and each round gives its own speed-up (the median one is reported).
     load_before = os.getloadavg()[0]
     repeat = max(1, args.repeat)
-    runs = [run_fast() for _ in range(-(-repeat // 2))]
-    fast, n = runs[0][0], len(runs[0][0])
-    peak_after_fast = peak_rss_mib()
-    head, no_attention = floors(model, ids, args.device, args.chunk_size)
     threads = torch.get_num_threads()
-    if not args.fast_only:
-        prefix = min(args.reference_tokens or args.tokens, args.tokens)
-        torch.set_num_threads(args.reference_threads or threads)
-        reference, reference_time = timed(
-            lambda: reference_losses(model, ids[: sinks + prefix], policy, sinks), args.device
-        )
-        torch.set_num_threads(threads)
-    runs += [run_fast() for _ in range(repeat // 2)]
+    prefix = min(args.reference_tokens or args.tokens, args.tokens)
+    runs: list[tuple[torch.Tensor, Timing]] = []
+    references: list[Timing] = []
+    speedups: list[float] = []
+    head = no_attention = None
+    peak_after_fast = 0.0
+    for _ in range(1 if args.fast_only else max(1, args.rounds)):
+        before = [run_fast() for _ in range(-(-repeat // 2))]
+        if head is None:
+            peak_after_fast = peak_rss_mib()
+            head, no_attention = floors(model, ids, args.device, args.chunk_size)
+        if not args.fast_only:
+            torch.set_num_threads(args.reference_threads or threads)
+            reference, reference_time = timed(
+                lambda: reference_losses(model, ids[: sinks + prefix], policy, sinks), args.device
+            )
+            torch.set_num_threads(threads)
+            references.append(reference_time)
+        after = [run_fast() for _ in range(repeat // 2)]
+        runs += before + after
+        if not args.fast_only:
+            round_fast = median([timing for _, timing in before + after])
+            speedups.append((reference_time.wall / prefix) / (round_fast.wall / len(before[0][0])))
+    fast, n = runs[0][0], len(runs[0][0])
     fast_time = median([timing for _, timing in runs])
     fast_rate = n / fast_time.wall
     result: dict[str, object] = {
@@ -167,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.fast_only:
         diff = (reference - fast[: len(reference)]).abs().max().item()
+        reference_time = median(references)
         reference_rate = len(reference) / reference_time.wall
         result |= {
             "reference_tokens": prefix,
@@ -174,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             "reference_tokens_per_second": reference_rate,
             "reference_seconds": reference_time.wall,
             "reference_cpu_seconds": reference_time.cpu,
-            "speedup": fast_rate / reference_rate,
+            "rounds": len(speedups),
+            "speedup": statistics.median(speedups),
+            "speedup_per_round": speedups,
             "speedup_cpu_time": (reference_time.cpu / len(reference)) / (fast_time.cpu / n),
             "speedup_bound": n / no_attention.wall / reference_rate,
             "max_abs_loss_diff": diff,

@@ -45,10 +45,12 @@ class StepTimer(L.Callback):
         self.elapsed = time.perf_counter() - self.start
 
 
-def make_module(preset: str, seq_len: int, backend: str = "sdpa") -> SinkLMModule:
+def make_module(preset: str, seq_len: int, backend: str = "sdpa", variant: str = "vanilla",
+                compile: bool = False) -> SinkLMModule:
     torch.manual_seed(0)
-    return SinkLMModule(preset=preset, variant="vanilla", backend=backend,
-                        model_overrides={"max_seq_len": seq_len}, optimizer=OptimizerConfig())
+    return SinkLMModule(preset=preset, variant=variant, backend=backend,
+                        model_overrides={"max_seq_len": seq_len}, optimizer=OptimizerConfig(),
+                        compile=compile)
 
 
 def bare_loop(module: SinkLMModule, batches: list[dict[str, torch.Tensor]], steps: int,
@@ -114,8 +116,37 @@ def main() -> None:
     parser.add_argument("--gpu-seq-len", type=int, default=2048)
     parser.add_argument("--gpu-batch-size", type=int, default=16)
     parser.add_argument("--gpu-backend", default="sdpa")
+    parser.add_argument("--gpu-variants", default="vanilla",
+                        help="comma-separated variants to measure on the GPU")
+    parser.add_argument("--gpu-compile", action="store_true", help="torch.compile the network")
+    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU loop comparison")
     args = parser.parse_args()
 
+    if not args.gpu_only:
+        cpu_overhead(args)
+    if not torch.cuda.is_available():
+        print("\nno CUDA device: GPU throughput and MFU not measured")
+        return
+    print("\n| GPU | preset | variant | seq | micro-batch | precision | backend | compiled | "
+          "tokens/s | MFU |\n|---|---|---|---|---:|---|---|---|---:|---:|")
+    for variant in args.gpu_variants.split(","):
+        gpu = make_module(args.gpu_preset, args.gpu_seq_len, args.gpu_backend, variant,
+                          args.gpu_compile)
+        gpu_batches = random_batches(gpu.config.vocab_size, args.gpu_batch_size,
+                                     args.gpu_seq_len, 4)
+        elapsed, trainer = lightning_loop(gpu, gpu_batches, args.steps, "gpu", "bf16-mixed",
+                                          [Throughput()])
+        tokens_per_s = (args.steps - WARMUP) * args.gpu_batch_size * args.gpu_seq_len / elapsed
+        peak = Throughput._table_peak(trainer, gpu)
+        flops = gpu.config.training_flops_per_token(args.gpu_seq_len)
+        mfu = f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a (GPU not in the table)"
+        print(f"| {torch.cuda.get_device_name()} | {args.gpu_preset} | {variant} | "
+              f"{args.gpu_seq_len} | {args.gpu_batch_size} | bf16-mixed | {args.gpu_backend} | "
+              f"{args.gpu_compile} | {tokens_per_s:,.0f} | {mfu} |", flush=True)
+
+
+def cpu_overhead(args: argparse.Namespace) -> None:
+    """The Lightning loop against the bare loop on CPU-sized settings, alternating rounds."""
     vocab = make_module(args.preset, args.seq_len).config.vocab_size
     batches = random_batches(vocab, args.batch_size, args.seq_len, 8)
     timed_tokens = (args.steps - WARMUP) * args.batch_size * args.seq_len
@@ -135,21 +166,6 @@ def main() -> None:
           f"{timed_tokens / bare:,.0f} | |")
     print(f"| Lightning (SinkLMModule) | {args.preset} | {args.batch_size} x {args.seq_len} | "
           f"{timed_tokens / lit:,.0f} | {lit / bare - 1:+.1%} |")
-
-    if not torch.cuda.is_available():
-        print("\nno CUDA device: GPU throughput and MFU not measured")
-        return
-    gpu = make_module(args.gpu_preset, args.gpu_seq_len, args.gpu_backend)
-    gpu_batches = random_batches(gpu.config.vocab_size, args.gpu_batch_size, args.gpu_seq_len, 4)
-    elapsed, trainer = lightning_loop(gpu, gpu_batches, args.steps, "gpu", "bf16-mixed",
-                                      [Throughput()])
-    tokens_per_s = (args.steps - WARMUP) * args.gpu_batch_size * args.gpu_seq_len / elapsed
-    peak = Throughput._table_peak(trainer, gpu)
-    flops = gpu.config.training_flops_per_token(args.gpu_seq_len)
-    mfu = f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a (GPU not in the table)"
-    print(f"\n| {torch.cuda.get_device_name()} | {args.gpu_preset} | seq {args.gpu_seq_len} | "
-          f"micro-batch {args.gpu_batch_size} | bf16 | {args.gpu_backend} | "
-          f"{tokens_per_s:,.0f} tokens/s | MFU {mfu} |")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import datasets
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from .errors import DataError
+
+if TYPE_CHECKING:  # imported where used: training from packed shards needs neither
+    import datasets
 
 TEXT_SUFFIXES = (".txt",)
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
@@ -190,6 +190,8 @@ def _scan_json_lines(path: Path, text_field: str, digest: Any) -> None:
 
 
 def _scan_parquet(path: Path, text_field: str, digest: Any) -> None:
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:
@@ -253,6 +255,8 @@ def _hub_revision(spec: SourceSpec) -> str:
 
 
 def _load_local(spec: SourceSpec, files: list[Path]) -> datasets.Dataset | datasets.IterableDataset:
+    import datasets
+
     parts = []
     groups = (
         ("text", TEXT_SUFFIXES, {"sample_by": "document", "encoding": "utf-8"}, "text"),
@@ -320,6 +324,8 @@ class Source:
         return self._dataset
 
     def _load_hub(self) -> datasets.Dataset | datasets.IterableDataset:
+        import datasets
+
         spec = self.spec
         try:
             ds = datasets.load_dataset(
@@ -345,6 +351,8 @@ class Source:
     @property
     def num_documents(self) -> int | None:
         """The number of rows, when known without reading them all (not when streaming)."""
+        import datasets
+
         ds = self.dataset
         return len(ds) if isinstance(ds, datasets.Dataset) else None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,10 @@ class Checkpoint:
     sink_token_ids: list[int]
     name: str
     source: str
+    # The sink probe's record from training (a `sinklm fit` .ckpt only): one dict per probe
+    # with step, tokens, sink_rate (Sink_1^eps) and first_mass (attention to position 0 per
+    # layer), so a report can show when sinks formed.
+    training_sinks: list[dict[str, Any]] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         """What results files record about the model."""
@@ -71,6 +75,7 @@ def load_checkpoint(
     """
     text = str(path)
     local = Path(text).expanduser()
+    training_sinks: list[dict[str, Any]] = []
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise CheckpointError(
@@ -80,7 +85,7 @@ def load_checkpoint(
         model, sink_ids, name = _load_transformers(str(local))
         source = str(local.resolve())
     elif local.is_file() and local.suffix == ".ckpt":
-        model, sink_ids, name, stored_tokenizer = _load_lightning(local)
+        model, sink_ids, name, stored_tokenizer, training_sinks = _load_lightning(local)
         source = str(local.resolve())
     elif local.exists():
         raise CheckpointError(
@@ -102,7 +107,7 @@ def load_checkpoint(
         tok = _hub_tokenizer(text)
     check_tokenizer(model, tok, sink_ids)
     model = model.to(device=device, dtype=dtype).eval()
-    return Checkpoint(model, tok, sink_ids, name, source)
+    return Checkpoint(model, tok, sink_ids, name, source, training_sinks)
 
 
 def _sink_metadata(extra: dict[str, Any], sink_tokens: int) -> list[int]:
@@ -115,8 +120,11 @@ def _sink_metadata(extra: dict[str, Any], sink_tokens: int) -> list[int]:
     return ids
 
 
-def _load_lightning(path: Path) -> tuple[CausalLM, list[int], str, Tokenizer]:
-    """A `sinklm fit` checkpoint: the network's weights, config, tokenizer and sink ids."""
+def _load_lightning(
+    path: Path,
+) -> tuple[CausalLM, list[int], str, Tokenizer, list[dict[str, Any]]]:
+    """A `sinklm fit` checkpoint: the network's weights, config, tokenizer, sink ids and the
+    sink probe's record."""
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as error:  # torch raises several kinds for a damaged or foreign file
@@ -135,7 +143,9 @@ def _load_lightning(path: Path) -> tuple[CausalLM, list[int], str, Tokenizer]:
     model.load_state_dict(state, strict=True)
     name = f"{config.name}-{variant_name(config)}"
     tokenizer = Tokenizer.from_str(checkpoint[TOKENIZER_KEY])
-    return model, [int(i) for i in checkpoint[SINK_IDS_KEY]], name, tokenizer
+    probe = checkpoint.get("callbacks", {}).get("SinkProbe", {})
+    history = [dict(row) for row in probe.get("history", [])]
+    return model, [int(i) for i in checkpoint[SINK_IDS_KEY]], name, tokenizer, history
 
 
 def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:

@@ -43,7 +43,7 @@ from .texts import check_files, encode_streams, read_files
 KIND = "sinklm-compare"
 # Everything compare writes in its output folder; anything else there is the user's.
 REPORT_FILES = ("report.md", "report.json", "streaming.csv", "zeroshot.csv", "streaming.png",
-                "sinks.png")
+                "sinks.png", "sinks_training.png")
 REPORT_DIRS = ("running", "cache")
 # The files of a checkpoint folder that make the model (results files beside it do not).
 MODEL_FILES = ("config.json", "tokenizer.json", "*.safetensors", "*.safetensors.index.json",
@@ -53,6 +53,8 @@ SINK_WINDOW = 512
 SINK_WINDOWS = 4
 SINK_FIRST = 4
 SINK_EPS = 0.3
+# What a cached model description holds: its fields and the sink probe's training record.
+MODEL_SETTING = {"fields": ["describe", "sink_token_ids", "training_sinks"]}
 
 
 class CompareError(ValueError):
@@ -85,6 +87,7 @@ class Report:
     streaming_table: str
     zeroshot_table: str | None
     sinks_table: str
+    training_sinks_table: str | None  # when checkpoints carry the sink probe's record
     files: dict[str, str]
     computed: int
     reused: int
@@ -173,7 +176,7 @@ class ModelResults:
         self.folder = root / f"{_slug(tail)}-{key}"
         self.settings = settings
         self._checkpoint: Checkpoint | None = None
-        self.meta = self.get("model", {}) or self._describe()
+        self.meta = self.get("model", MODEL_SETTING) or self._describe()
 
     def _path(self, kind: str, setting: dict[str, Any], suffix: str = ".json") -> Path:
         return self.folder / f"{kind}-{_digest(setting)[:12]}{suffix}"
@@ -206,8 +209,9 @@ class ModelResults:
 
     def _describe(self) -> dict[str, Any]:
         checkpoint = self.checkpoint
-        meta = {**checkpoint.describe(), "sink_token_ids": checkpoint.sink_token_ids}
-        self.put("model", {}, meta)
+        meta = {**checkpoint.describe(), "sink_token_ids": checkpoint.sink_token_ids,
+                "training_sinks": checkpoint.training_sinks}
+        self.put("model", MODEL_SETTING, meta)
         self.release()  # loaded again only if a result is missing
         return meta
 
@@ -404,6 +408,44 @@ def sinks_markdown(sinks: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def training_sinks_markdown(training: dict[str, list[dict[str, Any]]]) -> str:
+    """Per model, when the sink probe first saw Sink_1^eps above zero, and its last reading."""
+    lines = ["| Model | probes | tokens trained | Sink_1^0.3 first > 0 at | last Sink_1^0.3 | "
+             "last attention to position 0 per layer |", "|---|---:|---:|---:|---:|---|"]
+    for label, history in training.items():
+        last = history[-1]
+        formed = next((row["tokens"] for row in history if row["sink_rate"] > 0), None)
+        layers = ", ".join(f"{m:.3f}" for m in last["first_mass"])
+        lines.append(f"| {label} | {len(history)} | {last['tokens']:,} | "
+                     f"{'never' if formed is None else f'{formed:,} tokens'} | "
+                     f"{last['sink_rate']:.3f} | {layers} |")
+    return "\n".join(lines)
+
+
+def _plot_training_sinks(training: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Sink_1^eps and the strongest layer's attention to position 0 against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate, mass) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, history in training.items():
+        tokens = [row["tokens"] for row in history]
+        rate.plot(tokens, [row["sink_rate"] for row in history], marker="o", label=label)
+        mass.plot(tokens, [max(row["first_mass"]) for row in history], marker="o", label=label)
+    rate.set(xlabel="training tokens", ylabel=f"Sink_1^{SINK_EPS:g} (share of heads)",
+             ylim=(-0.02, 1.02), title="heads with a first-token sink")
+    mass.set(xlabel="training tokens", ylabel="attention to position 0 (strongest layer)",
+             ylim=(0, 1), title="attention on the first token")
+    for ax in (rate, mass):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _plot_streaming(streams: dict[str, list[CacheResult]], path: Path) -> None:
     import matplotlib
 
@@ -482,6 +524,15 @@ def write_report(
     sinks_table = sinks_markdown(sinks)
     _plot_sinks(sinks, out / "sinks.png")
     files["sinks_plot"] = str(out / "sinks.png")
+    training = {label: m.meta["training_sinks"] for m, label in zip(models, labels, strict=True)
+                if m.meta["training_sinks"]}
+    training_table = None
+    if training:
+        training_table = training_sinks_markdown(training)
+        _plot_training_sinks(training, out / "sinks_training.png")
+        files["training_sinks_plot"] = str(out / "sinks_training.png")
+    elif (out / "sinks_training.png").is_file():
+        (out / "sinks_training.png").unlink()
 
     zeroshot_table = None
     tasks = list(settings.tasks)
@@ -528,6 +579,11 @@ def write_report(
         "",
         "![attention on the first token](sinks.png)",
     ]
+    if training_table is not None:
+        markdown += ["", "## Sinks during training", "",
+                     "The sink probe of `sinklm fit` (a fixed validation batch every K steps), "
+                     "read from the checkpoints.", "", training_table, "",
+                     "![sinks against training tokens](sinks_training.png)"]
     if zeroshot_table is not None:
         limit = f"the first {settings.limit} items" if settings.limit else "all items"
         source = f"local files in {settings.data_dir}" if settings.data_dir else "Hub datasets"
@@ -551,6 +607,7 @@ def write_report(
         "sinks": {label: {k: report[k] for k in ("window", "windows", "eps", "sink_rate",
                                                  "attention_to_first_per_layer")}
                   for label, report in sinks.items()},
+        "training_sinks": training,
         "zeroshot": None if not tasks else {
             "tasks": tasks, "limit": settings.limit,
             "data_dir": str(settings.data_dir) if settings.data_dir else None,
@@ -560,5 +617,6 @@ def write_report(
         "files": files,
     }
     _write_atomic(out / "report.json", json.dumps(document, indent=2) + "\n")
-    return Report(out, streaming_table, zeroshot_table, sinks_table, files, computed, reused)
+    return Report(out, streaming_table, zeroshot_table, sinks_table, training_table, files,
+                  computed, reused)
 

@@ -96,6 +96,9 @@ def run_compare(args: argparse.Namespace) -> int:
     print(report.streaming_table)
     print()
     print(report.sinks_table)
+    if report.training_sinks_table is not None:
+        print()
+        print(report.training_sinks_table)
     if report.zeroshot_table is not None:
         print()
         print(report.zeroshot_table)

@@ -272,6 +272,7 @@ class StartRecentState:
     layers: list[LayerCache]
     next_index: int = 0  # stream index of the next token to feed
     steady: ChunkGeometry | None = None  # the geometry of full-cache chunks, of the last size
+    scratch: Tensor | None = None  # one head's score rows, reused (fresh ones cost page faults)
 
     @classmethod
     def empty(cls, model: CausalLM, policy: StartRecent) -> StartRecentState:
@@ -308,6 +309,12 @@ class StartRecentState:
         if steady:
             self.steady = geometry
         return geometry
+
+    def _scratch(self, numel: int, like: Tensor) -> Tensor:
+        """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device."""
+        if self.scratch is None or self.scratch.numel() < numel or self.scratch.dtype != like.dtype:
+            self.scratch = like.new_empty(numel)
+        return self.scratch[:numel]
 
     @torch.inference_mode()
     def feed(self, model: CausalLM, ids: Tensor) -> Tensor:
@@ -361,37 +368,45 @@ class StartRecentState:
         torch.mul(q, scale, out=query[:, :c])
         query[:, c:] = 0.0  # padded queries: finite, and dropped below
         query[:, :c, :r] = rotary.apply(query[:, :c, :r], *geometry.query)
-
-        # Score rows [h, blocks, block, prefix + window]: the prefix columns (the implicit sink
-        # if any, then the initial keys seen so far), then the block's window of the band.
-        scores = q.new_empty(h, blocks, block, prefix + window)
-        key_windows = keys.unfold(1, prefix + window, block)  # [h, blocks, d, prefix + window]
-        for head in range(h):  # bmm takes one batch stride: one call per head
-            torch.bmm(query[head].view(blocks, block, d), key_windows[head], out=scores[head])
-        rows = scores.view(h, padded, -1)
-        if sink is not None:  # the implicit sink as a key: score sink_logit, value zero
-            rows[:, :, 0] = sink.to(scores.dtype).view(h, 1)
-        if prefix > first:  # the query rotated to P_j; its other dims are the band query's
-            initial = rows[:, :c, first:prefix]
+        if prefix > first:  # for the initial keys: the query rotated to P_j
             initial_k = layer.initial_k
-            rotated = rotary.apply(initial_k[..., :r], *geometry.initial)
-            torch.bmm(rotary.apply(q[..., :r] * scale, *geometry.initial_query),
-                      rotated.transpose(1, 2), out=initial)
-            initial.baddbmm_(query[:, :c, r:], initial_k[..., r:].transpose(1, 2))
-            rows[:, c:, first:prefix] = 0.0  # padded queries: finite, and dropped below
-        scores += geometry.bias
-        accumulate = torch.promote_types(scores.dtype, torch.float32)  # as the model's kernels
-        if accumulate == scores.dtype:  # in place: one score-sized buffer fewer per layer
-            probs = torch.softmax(scores, dim=-1, out=scores)
-        else:
-            probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(scores.dtype)
+            initial_query = rotary.apply(q[..., :r] * scale, *geometry.initial_query)
+            initial_rotated = rotary.apply(initial_k[..., :r], *geometry.initial)
+
+        # One head at a time, so that its score rows [blocks, block, prefix + window] stay in
+        # cache from the scores through the softmax to the values; the buffer is reused by
+        # every head, layer and chunk. A row holds the prefix columns (the implicit sink if
+        # any, then the initial keys seen so far), then the block's window of the band.
+        # One head at a time, so that its score rows [blocks, block, prefix + window] stay in
+        # cache from the scores through the softmax to the values; the buffer is reused by
+        # every head, layer and chunk. A row holds the prefix columns (the implicit sink if
+        # any, then the initial keys seen so far), then the block's window of the band.
+        scores_dtype = q.dtype
+        scores = self._scratch(blocks * block * (prefix + window), q).view(blocks, block, -1)
+        rows = scores.view(padded, -1)
+        key_windows = keys.unfold(1, prefix + window, block)  # [h, blocks, d, prefix + window]
         value_windows = values.unfold(1, window, block).transpose(-1, -2)  # [h, blocks, window, d]
+        accumulate = torch.promote_types(scores_dtype, torch.float32)  # as the model's kernels
         out = q.new_empty(h, blocks, block, d)
         for head in range(h):
-            torch.bmm(probs[head, ..., prefix:], value_windows[head], out=out[head])
+            torch.bmm(query[head].view(blocks, block, d), key_windows[head], out=scores)
+            if sink is not None:  # the implicit sink as a key: score sink_logit, value zero
+                rows[:, 0] = sink[head].to(scores_dtype)
+            if prefix > first:  # rotated dims against P_j, the others as the band query's
+                initial = rows[:c, first:prefix]
+                torch.mm(initial_query[head], initial_rotated[head].t(), out=initial)
+                initial.addmm_(query[head, :c, r:], initial_k[head, :, r:].t())
+                rows[c:, first:prefix] = 0.0  # padded queries: finite, and dropped below
+            scores += geometry.bias
+            if accumulate == scores_dtype:
+                probs = torch.softmax(scores, dim=-1, out=scores)
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(scores_dtype)
+            torch.bmm(probs[..., prefix:], value_windows[head], out=out[head])
+            if prefix > first:
+                out[head].view(padded, d).addmm_(probs.view(padded, -1)[:, first:prefix],
+                                                 layer.initial_v[head])
         out = out.view(h, padded, d)
-        if prefix > first:
-            out.baddbmm_(probs.view(h, padded, -1)[:, :, first:prefix], layer.initial_v)
         out = out[:, :c].transpose(0, 1).reshape(c, h * d)
         if attn.softmax == "gated":
             out = out * torch.sigmoid(attn.gate(x_in))

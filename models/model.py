@@ -101,15 +101,17 @@ class Attention(nn.Module):
         rope_k: tuple[Tensor, Tensor],
         past: tuple[Tensor, Tensor] | None,
         need_weights: bool,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor | None]:
-        """Returns (output, (keys before rotary, values) including ``past``, probabilities)."""
+        use_cache: bool = False,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
+        """Returns (output, (keys before rotary, values) including ``past`` when ``use_cache``,
+        probabilities when ``need_weights``)."""
         b, t, _ = x.shape
         qkv = self.query_key_value(x).view(b, t, self.n_head, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        new_past = (k, v)
+        new_past = (k, v) if use_cache else None  # no views escape otherwise (FSDP2 warns)
         q = rotary.apply(q, *rope_q)
         k = rotary.apply(k, *rope_k)
         probs = None
@@ -152,9 +154,10 @@ class Block(nn.Module):
         rope_k: tuple[Tensor, Tensor],
         past: tuple[Tensor, Tensor] | None,
         need_weights: bool,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor | None]:
+        use_cache: bool = False,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
         attn, new_past, probs = self.attention(
-            self.input_layernorm(x), rotary, rope_q, rope_k, past, need_weights
+            self.input_layernorm(x), rotary, rope_q, rope_k, past, need_weights, use_cache
         )
         return x + attn + self.mlp(self.post_attention_layernorm(x)), new_past, probs
 
@@ -214,14 +217,16 @@ class CausalLM(nn.Module):
         input_ids: Tensor,
         position_ids: Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T].
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (with ``need_weights``, also the
+        attention probabilities: see :meth:`forward_with_attentions`).
 
         ``position_ids`` [B, T] default to the next positions after the cache (0.. without one).
         With a ``cache``, the new keys and values are appended to it and its positions grow.
         """
-        logits, _ = self._run(input_ids, position_ids, cache, need_weights=False)
-        return logits
+        logits, probs = self._run(input_ids, position_ids, cache, need_weights)
+        return (logits, probs) if need_weights else logits
 
     def forward_with_attentions(
         self,
@@ -232,9 +237,9 @@ class CausalLM(nn.Module):
         """Logits and each layer's attention probabilities [B, H, T, S] (eager, for diagnostics).
 
         For softmax1 and sink_logit, a row sums to less than one; the rest went to the sink.
+        Runs through ``__call__``, so wrappers' hooks (FSDP2 gathering sharded weights) apply.
         """
-        logits, probs = self._run(input_ids, position_ids, cache, need_weights=True)
-        return logits, probs
+        return self(input_ids, position_ids, cache, need_weights=True)
 
     def _run(
         self,
@@ -262,8 +267,9 @@ class CausalLM(nn.Module):
             past = None
             if cache is not None and cache.keys[i] is not None:
                 past = (cache.keys[i], cache.values[i])
-            x, new_past, probs = block(x, decoder.rotary, rope_q, rope_k, past, need_weights)
-            if cache is not None:
+            x, new_past, probs = block(x, decoder.rotary, rope_q, rope_k, past, need_weights,
+                                       use_cache=cache is not None)
+            if cache is not None and new_past is not None:
                 cache.keys[i], cache.values[i] = new_past
             if probs is not None:
                 all_probs.append(probs)

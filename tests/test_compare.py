@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from sinklm.data.tokenizer import sink_token_ids
 from sinklm.eval import compare as compare_module
 from sinklm.eval.checkpoint import Checkpoint
-from sinklm.eval.compare import unique_labels
+from sinklm.eval.compare import training_sinks_markdown, unique_labels
 from sinklm.eval.export import export_model
 from sinklm.eval.report import markdown_table
 from sinklm.models import CausalLM, ModelConfig
@@ -209,3 +209,13 @@ def test_duplicate_names_get_the_distinguishing_end_of_their_path() -> None:
         "tiny-5m-vanilla (a/checkpoints/last.ckpt)", "tiny-5m-vanilla (b/checkpoints/last.ckpt)",
         "pythia-70m",
     ]
+
+
+def test_training_sinks_table_by_hand() -> None:
+    history = [{"step": 10, "tokens": 1000, "sink_rate": 0.0, "first_mass": [0.1, 0.2]},
+               {"step": 20, "tokens": 2000, "sink_rate": 0.25, "first_mass": [0.5, 0.6]},
+               {"step": 30, "tokens": 3000, "sink_rate": 0.5, "first_mass": [0.7, 0.8]}]
+    flat = [{**row, "sink_rate": 0.0} for row in history]
+    table = training_sinks_markdown({"formed": history, "flat": flat}).splitlines()
+    assert table[2] == "| formed | 3 | 3,000 | 2,000 tokens | 0.500 | 0.700, 0.800 |"
+    assert table[3] == "| flat | 3 | 3,000 | never | 0.000 | 0.700, 0.800 |"

@@ -1,4 +1,5 @@
-"""`sinklm fit` end to end on CPU: exact resume after SIGKILL, DDP, SLURM preemption, bad input."""
+"""`sinklm fit` end to end on CPU: exact resume after SIGKILL, DDP, FSDP2, SLURM preemption,
+bad input."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def losses(root: Path) -> dict[int, float]:
             if row.get("train/loss"):
                 found[int(row["step"])] = float(row["train/loss"])
     return found
+
+
+def probes(root: Path) -> dict[int, float]:
+    """step -> attention mass on the first position in layer 0, from the sink probe's logs."""
+    return {int(row["step"]): float(row["sinks/first_mass_layer0"])
+            for log in sorted(root.glob("logs/version_*/metrics.csv"))
+            for row in csv.DictReader(log.open()) if row.get("sinks/first_mass_layer0")}
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -85,6 +93,50 @@ def test_cpu_ddp_two_ranks(train_data: TinyData, tmp_path: Path) -> None:
     assert not rows[0] & rows[1]
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(value, ranks[1]["weights"][name]), name
+
+
+FULLY_SHARDED = {"class_path": "sinklm.train.parallel.FullyShardedStrategy",
+                 "init_args": {"process_group_backend": "gloo"}}
+
+
+def test_fully_sharded_matches_ddp_and_resumes_exactly(train_data: TinyData,
+                                                       tmp_path: Path) -> None:
+    """FSDP2 over 2 gloo ranks: the same losses as DDP (one reduction order apart), one full
+    checkpoint file that evaluation reads, and an exact resume after both ranks are killed."""
+    n = 2
+
+    def config(root: Path, strategy: object, callbacks: list | None = None) -> Path:
+        settings = tiny_config(train_data, root, steps=2 * n, checkpoint_every=n,
+                               callbacks=callbacks,
+                               extra_trainer={"devices": 2, "strategy": strategy})
+        settings["sink_probe"] = {"every_n_steps": n}  # a forward on gathered weights
+        return write_config(root.with_suffix(".yaml"), settings)
+
+    ddp, sharded, crashed = tmp_path / "ddp", tmp_path / "sharded", tmp_path / "crashed"
+    assert_ok(run_fit(config(ddp, "ddp")))
+    assert_ok(run_fit(config(sharded, FULLY_SHARDED)))
+    expected, got = losses(ddp), losses(sharded)
+    assert sorted(got) == list(range(2 * n))
+    assert got[0] == expected[0]  # same weights and batches: the first loss is exact
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert sorted(probes(ddp)) == [n, 2 * n]
+    assert probes(sharded) == pytest.approx(probes(ddp), abs=1e-5)
+    final = f"step{2 * n:08d}.ckpt"
+    a, b = weights(ddp / "checkpoints" / final), weights(sharded / "checkpoints" / final)
+    assert a.keys() == b.keys()
+    for name in a:  # full tensors, not shards
+        assert b[name].shape == a[name].shape
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-3, msg=name)
+
+    killer = [{"class_path": "train_probes.KillAtStep", "init_args": {"step": n + 1}}]
+    killed = run_fit(config(crashed, FULLY_SHARDED, killer))
+    assert killed.returncode != 0
+    assert not (crashed / "checkpoints" / final).exists()
+    assert_ok(run_fit(config(crashed, FULLY_SHARDED)))
+    assert losses(crashed) == got  # exact: same state restored on every rank
+    resumed = weights(crashed / "checkpoints" / final)
+    for name in b:
+        assert torch.equal(resumed[name], b[name]), name
 
 
 SLURM_ENVIRONMENT = "lightning.pytorch.plugins.environments.SLURMEnvironment"
@@ -175,10 +227,19 @@ def test_checkpoint_loads_for_evaluation(train_data: TinyData, tmp_path: Path) -
     from sinklm.train.cli import main as sinklm_main
 
     root = tmp_path / "run"
-    assert_ok(run_fit(write_config(tmp_path / "a.yaml",
-                                   tiny_config(train_data, root, steps=2, checkpoint_every=2))))
+    config = tiny_config(train_data, root, steps=2, checkpoint_every=2)
+    config["sink_probe"] = {"every_n_steps": 1}
+    assert_ok(run_fit(write_config(tmp_path / "a.yaml", config)))
     path = root / "checkpoints" / "last.ckpt"
     loaded = load_checkpoint(path)
+    logged = {int(row["step"]): row for row in csv.DictReader(
+        next(root.glob("logs/version_*/metrics.csv")).open()) if row["sinks/sink_rate_eps0.3"]}
+    assert [row["step"] for row in loaded.training_sinks] == sorted(logged) == [1, 2]
+    for row in loaded.training_sinks:  # the probe's record travels with the checkpoint
+        log = logged[row["step"]]
+        assert row["sink_rate"] == pytest.approx(float(log["sinks/sink_rate_eps0.3"]))
+        assert row["first_mass"][1] == pytest.approx(float(log["sinks/first_mass_layer1"]))
+        assert row["tokens"] == row["step"] * 4 * 64  # micro-batch x seq_len, one device
     trained_vocab = Tokenizer.from_file(str(train_data.tokenizer)).get_vocab_size()
     assert loaded.sink_token_ids == [trained_vocab]  # the first free id
     assert loaded.tokenizer.id_to_token(trained_vocab) == "<|sink|>"
@@ -191,6 +252,12 @@ def test_checkpoint_loads_for_evaluation(train_data: TinyData, tmp_path: Path) -
                         str(train_data.packed.parent / "book.txt"), "--cache", "1+15,dense",
                         "--output", str(output)])
     assert code == 0 and output.is_file()
+
+    report = tmp_path / "report"
+    code = sinklm_main(["compare", str(path), "--text", str(train_data.packed.parent / "book.txt"),
+                        "--cache", "1+15", "--max-tokens", "300", "--output", str(report)])
+    assert code == 0 and (report / "sinks_training.png").is_file()
+    assert "## Sinks during training" in (report / "report.md").read_text()
 
 
 def test_checkpoint_exports_for_transformers(train_data: TinyData, tmp_path: Path) -> None:

@@ -10,9 +10,12 @@ import lightning as L
 import pytest
 import torch
 from helpers.train_data import TinyData
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
+from sinklm.models.config import ConfigError
 from sinklm.train.callbacks import StepCheckpoint
 from sinklm.train.data_module import SinkLMDataModule
+from sinklm.train.fit import check_strategy
 from sinklm.train.module import (
     NonFiniteLossError,
     OptimizerConfig,
@@ -20,6 +23,7 @@ from sinklm.train.module import (
     lr_multiplier,
     parameter_groups,
 )
+from sinklm.train.parallel import FullyShardedStrategy
 
 
 def test_schedule_by_hand() -> None:
@@ -192,3 +196,10 @@ def test_last_checkpoint_holds_the_final_step(train_data: TinyData, tmp_path: Pa
     module, data, trainer = make_run(train_data, tmp_path, "skip", steps=5)
     trainer.fit(module, data)
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 5
+
+
+def test_lightning_fsdp1_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"sinklm\.train\.parallel\.FullyShardedStrategy"):
+        check_strategy(FSDPStrategy())
+    check_strategy(FullyShardedStrategy())
+    check_strategy(DDPStrategy())

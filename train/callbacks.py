@@ -108,7 +108,8 @@ class SinkProbe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if self.every_n_steps < 1 or step % self.every_n_steps or not trainer.is_global_zero:
+        # Every rank probes (sharded weights are gathered collectively); rank 0 logs.
+        if self.every_n_steps < 1 or step % self.every_n_steps:
             return
         if self.history and self.history[-1]["step"] == step:
             return  # gradient accumulation: several micro-batches end on the same step

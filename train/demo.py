@@ -298,6 +298,10 @@ def run_demo(args: argparse.Namespace) -> int:
     print(report.streaming_table)
     print("\n## Attention on the first token (a sink id for sink_token)\n")
     print(report.sinks_table)
+    if report.training_sinks_table is not None:
+        print("\n## Sinks during training (the sink probe: Sink_1^0.3 = share of heads whose "
+              "mean attention to position 0 exceeds 0.3)\n")
+        print(report.training_sinks_table)
     print(f"\n## {args.pythia}\n")
     print(pythia)
     timing = ", ".join(f"{name} {_minutes(seconds)}" for name, seconds in stamps.items())

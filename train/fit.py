@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
 from sinklm.data.errors import DataError
 from sinklm.models.config import VARIANTS, ConfigError, ModelConfig
@@ -42,6 +43,17 @@ def newest_checkpoint(checkpoint_dir: Path, root_dir: Path) -> Path | None:
     """
     candidates = [*checkpoint_dir.glob("*.ckpt"), *root_dir.glob("hpc_ckpt_*.ckpt")]
     return max(candidates, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Refuse Lightning's FSDP1 strategy: it flattens parameters, which our weight-decay groups
+    and checkpoint layout were not built for and which no test covers; FSDP2 is."""
+    if isinstance(strategy, FSDPStrategy):
+        raise ConfigError(
+            "trainer.strategy=fsdp (Lightning's FSDP1) is not supported; for sharded training use "
+            "--trainer.strategy sinklm.train.parallel.FullyShardedStrategy (FSDP2, one unit per "
+            "block, full-state checkpoints)"
+        )
 
 
 def check_resume_compatible(path: Path, config: ModelConfig) -> None:
@@ -90,6 +102,7 @@ class SinkLMCLI(LightningCLI):
 
     def before_fit(self) -> None:
         trainer, model, data = self.trainer, self.model, self.datamodule
+        check_strategy(trainer.strategy)
         if data.global_batch_size is not None:
             check_global_batch(
                 data.global_batch_size, data.micro_batch_size, devices=trainer.num_devices,

@@ -19,6 +19,8 @@ from torch import Tensor
 from sinklm.models import CausalLM, ModelConfig
 from sinklm.models.config import VARIANTS, ConfigError
 
+from .parallel import shard_model, total_norm
+
 # Where a checkpoint records the model it holds, so a resume into another model is refused.
 CHECKPOINT_KEY = "sinklm_model_config"
 # Where it records the tokenizer (with its sink tokens) and the sink ids, for evaluation.
@@ -109,7 +111,9 @@ class SinkLMModule(L.LightningModule):
         self.skipped_batches = 0
 
     def configure_model(self) -> None:
-        if self.compile_model:
+        if self.device_mesh is not None:  # FullyShardedStrategy: FSDP2 over its mesh
+            shard_model(self.model, self.device_mesh["data_parallel"], self.compile_model)
+        elif self.compile_model:
             self.model.compile()
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -136,7 +140,7 @@ class SinkLMModule(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:  # the batch was skipped (on_nonfinite=skip): nothing to check
             return
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norm = total_norm(grads)
         if not self._all_finite(norm):
             if self.on_nonfinite == "stop":
                 raise NonFiniteLossError(self._nonfinite_message(f"gradient norm is {norm}"))
