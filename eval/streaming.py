@@ -377,10 +377,6 @@ class StartRecentState:
         # cache from the scores through the softmax to the values; the buffer is reused by
         # every head, layer and chunk. A row holds the prefix columns (the implicit sink if
         # any, then the initial keys seen so far), then the block's window of the band.
-        # One head at a time, so that its score rows [blocks, block, prefix + window] stay in
-        # cache from the scores through the softmax to the values; the buffer is reused by
-        # every head, layer and chunk. A row holds the prefix columns (the implicit sink if
-        # any, then the initial keys seen so far), then the block's window of the band.
         scores_dtype = q.dtype
         scores = self._scratch(blocks * block * (prefix + window), q).view(blocks, block, -1)
         rows = scores.view(padded, -1)

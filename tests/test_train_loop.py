@@ -127,6 +127,10 @@ def test_fully_sharded_matches_ddp_and_resumes_exactly(train_data: TinyData,
     for name in a:  # full tensors, not shards
         assert b[name].shape == a[name].shape
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-3, msg=name)
+    from sinklm.eval.checkpoint import load_checkpoint
+
+    evaluated = load_checkpoint(sharded / "checkpoints" / final).model.state_dict()
+    assert all(torch.equal(value, b[f"model.{name}"]) for name, value in evaluated.items())
 
     killer = [{"class_path": "train_probes.KillAtStep", "init_args": {"step": n + 1}}]
     killed = run_fit(config(crashed, FULLY_SHARDED, killer))
