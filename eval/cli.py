@@ -30,8 +30,8 @@ class UsageError(ValueError):
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", required=True, metavar="P",
-        help="a transformers GPTNeoX folder (with tokenizer.json) or a Hub id "
-        "such as EleutherAI/pythia-160m",
+        help="a `sinklm fit` checkpoint (.ckpt), an exported or transformers GPTNeoX folder "
+        "(with tokenizer.json), or a Hub id such as EleutherAI/pythia-160m",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", action="append", metavar="FILE",

@@ -434,10 +434,11 @@ def _plot_training_sinks(training: dict[str, list[dict[str, Any]]], path: Path) 
         tokens = [row["tokens"] for row in history]
         rate.plot(tokens, [row["sink_rate"] for row in history], marker="o", label=label)
         mass.plot(tokens, [max(row["first_mass"]) for row in history], marker="o", label=label)
+    # Log tokens: runs of very different lengths share the plot, and sinks form over decades.
     rate.set(xlabel="training tokens", ylabel=f"Sink_1^{SINK_EPS:g} (share of heads)",
-             ylim=(-0.02, 1.02), title="heads with a first-token sink")
+             xscale="log", ylim=(-0.02, 1.02), title="heads with a first-token sink")
     mass.set(xlabel="training tokens", ylabel="attention to position 0 (strongest layer)",
-             ylim=(0, 1), title="attention on the first token")
+             xscale="log", ylim=(0, 1), title="attention on the first token")
     for ax in (rate, mass):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
