@@ -3,10 +3,17 @@
 sources (Hub or local documents) -> tokenizer (with sink ids) -> packing (memmap token
 shards + meta.json) -> windows (PackedDataset / MegatronRows, SinkCollator, a resumable
 seeded order, build_loader).
+
+The torch-based parts (windows, megatron) load on first use (PEP 562): the argument parser of
+every ``sinklm`` command imports this package and must not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import DataError
-from .megatron import MegatronRows, MMapIndexedDataset, write_mmap_indexed
 from .packing import PrepareConfig, packed_tokenizer, prepare_data, read_meta
 from .sources import Source, SourceSpec, reflow
 from .tokenizer import (
@@ -19,14 +26,29 @@ from .tokenizer import (
     tokenizer_hash,
     train_tokenizer,
 )
-from .windows import (
-    IGNORE_INDEX,
-    PackedDataset,
-    ResumableLoader,
-    ResumableSampler,
-    SinkCollator,
-    build_loader,
-)
+
+if TYPE_CHECKING:
+    from .megatron import MegatronRows, MMapIndexedDataset, write_mmap_indexed
+    from .windows import (
+        IGNORE_INDEX,
+        PackedDataset,
+        ResumableLoader,
+        ResumableSampler,
+        SinkCollator,
+        build_loader,
+    )
+
+_LAZY = {
+    "MegatronRows": ".megatron",
+    "MMapIndexedDataset": ".megatron",
+    "write_mmap_indexed": ".megatron",
+    "IGNORE_INDEX": ".windows",
+    "PackedDataset": ".windows",
+    "ResumableLoader": ".windows",
+    "ResumableSampler": ".windows",
+    "SinkCollator": ".windows",
+    "build_loader": ".windows",
+}
 
 __all__ = [
     "DEFAULT_TOKENIZER",
@@ -55,3 +77,11 @@ __all__ = [
     "train_tokenizer",
     "write_mmap_indexed",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -13,6 +13,7 @@ import yaml
 from .errors import DataError
 from .packing import PrepareConfig, prepare_data
 from .sources import Source, SourceSpec
+from .synthetic import GENERATORS
 from .tokenizer import (
     DEFAULT_TOKENIZER,
     eod_token_id,
@@ -65,6 +66,30 @@ def _read_config(path: str | None) -> dict[str, Any]:
     return data
 
 
+def _synthetic_flags(args: argparse.Namespace, source: dict[str, Any]) -> dict[str, Any]:
+    """``--synthetic NAME`` and ``--param KEY=VALUE`` (values read as YAML) on top of the
+    config's source; a generator and document flags together are refused."""
+    name, params = getattr(args, "synthetic", None), getattr(args, "param", None) or []
+    if name is not None:
+        source = {"synthetic": name, **{k: v for k, v in source.items() if k != "path"}}
+    if not (name or params):
+        return source
+    if "synthetic" not in source:
+        raise DataError("--param sets a generator's parameter: add --synthetic bigram-backcopy "
+                        "(or a --config whose source names synthetic)")
+    document_flags = [f"--{flag.replace('_', '-')}" for flag in _SOURCE_FLAGS
+                      if getattr(args, flag) is not None]
+    if document_flags:
+        raise DataError(f"{', '.join(document_flags)} describe documents, not a generator: pass "
+                        "either --synthetic or --source")
+    for item in params:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DataError(f"--param {item!r}: write KEY=VALUE, e.g. --param vocab=64")
+        source[key.strip()] = yaml.safe_load(value)
+    return source
+
+
 def _merged(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     """The --config file's values with every flag the user gave on top."""
     data = _read_config(args.config)
@@ -74,8 +99,10 @@ def _merged(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     for flag, key in _SOURCE_FLAGS.items():
         if getattr(args, flag) is not None:
             source[key] = getattr(args, flag)
-    if not source.get("path"):
-        raise DataError("no source: pass --source PATH_OR_HUB_ID (or a --config with source)")
+    source = _synthetic_flags(args, source)
+    if not source.get("path") and not source.get("synthetic"):
+        raise DataError("no source: pass --source PATH_OR_HUB_ID or --synthetic bigram-backcopy "
+                        "(or a --config with source)")
     data["source"] = source
     for key in keys:
         if getattr(args, key, None) is not None:
@@ -95,12 +122,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "           --source ../shared/data/corpus/english_pd_mix.jsonl.gz \\\n"
         "           --tokenizer ../shared/data/tokenizers/gpt-neox-20b/tokenizer.json \\\n"
         "           --output packed/english_pd_mix\n"
-        "         sinklm prepare-data --config configs/data/local_corpus.yaml",
+        "         sinklm prepare-data --config configs/data/local_corpus.yaml\n"
+        "         sinklm prepare-data --synthetic bigram-backcopy --param tokens=2000000 \\\n"
+        "           --val-fraction 0.05 --output packed/bigram_backcopy",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_source_arguments(prepare)
+    synthetic = prepare.add_argument_group(
+        "synthetic source (instead of --source; see configs/data/bigram_backcopy.yaml)")
+    synthetic.add_argument("--synthetic", choices=GENERATORS,
+                           help="generate the documents: Bigram-Backcopy, the sink lab's task")
+    synthetic.add_argument("--param", action="append", metavar="KEY=VALUE",
+                           help="a generator parameter (repeatable): vocab, triggers, table "
+                           "(random or a text file), unit, successors, zipf, dirichlet, "
+                           "doc_tokens, tokens, seed, table_seed")
     prepare.add_argument("--tokenizer", help=f"tokenizer.json, a folder, or a Hub id "
-                         f"(default {DEFAULT_TOKENIZER}, Pythia's)")
+                         f"(default {DEFAULT_TOKENIZER}, Pythia's; none for --synthetic)")
     prepare.add_argument("--output", metavar="DIR", help="the packed-data folder to write")
     prepare.add_argument("--val-fraction", type=float, metavar="F",
                          help="share of documents for validation (default 0)")
@@ -131,6 +168,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="folder for tokenizer.json")
     train.add_argument("--min-frequency", type=int, default=2,
                        help="a pair must occur this often to be merged (default 2)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an existing DIR/tokenizer.json")
     train.set_defaults(func=run_train_tokenizer)
 
 
@@ -150,9 +189,23 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tokenizer_output(output: Path, overwrite: bool) -> None:
+    """Refuse, before reading the corpus, to replace a tokenizer that packed data may use."""
+    if output.is_file():
+        raise DataError(f"--output {output} is a file; give a folder for tokenizer.json")
+    if (output / "tokenizer.json").exists() and not overwrite:
+        raise DataError(f"--output {output} already holds a tokenizer.json: pass --overwrite "
+                        "to replace it")
+
+
 def run_train_tokenizer(args: argparse.Namespace) -> int:
     try:
-        spec = SourceSpec.from_dict(_merged(args, ())["source"])
+        _check_tokenizer_output(Path(args.output), args.overwrite)
+        merged = _merged(args, ())["source"]
+        if "synthetic" in merged:
+            raise DataError("a synthetic source brings its own tokenizer (one word per symbol): "
+                            "`sinklm prepare-data` writes it; nothing to train")
+        spec = SourceSpec.from_dict(merged)
         source = Source(spec)
         texts = (text for batch in source.iter_texts() for text in batch)
         tokenizer = train_tokenizer(texts, args.vocab_size, args.min_frequency,

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 
 from .errors import DataError
 from .sources import Source, SourceSpec
+from .synthetic import BigramBackcopySpec, SyntheticSource
 from .tokenizer import DEFAULT_TOKENIZER, eod_token_id, load_tokenizer, token_dtype, tokenizer_hash
 
 FORMAT = "sinklm-packed"
@@ -47,6 +48,9 @@ _IDENTITY_KEYS = ("tokenizer_hash", "source_fingerprint", "val_fraction", "seed"
 class PrepareConfig:
     """Everything ``prepare-data`` needs; also the shape of configs/data/*.yaml.
 
+    source:       documents (``path: ...``) or a generator (``synthetic: bigram-backcopy``).
+    tokenizer:    tokenizer.json, a folder or a Hub id (default Pythia's); a generator brings
+                  its own vocabulary, so it takes none.
     val_fraction: share of documents held out for validation (0: none; 1: all, for eval sets).
     max_tokens:   stop after the document that reaches this many tokens (for streamed sets).
     shard_tokens: tokens per shard file (2**30 = 2 GiB of uint16).
@@ -54,9 +58,9 @@ class PrepareConfig:
                   small enough to bound memory on book-length documents.
     """
 
-    source: SourceSpec
+    source: SourceSpec | BigramBackcopySpec
     output: str
-    tokenizer: str = DEFAULT_TOKENIZER
+    tokenizer: str | None = None
     val_fraction: float = 0.0
     seed: int = 0
     max_tokens: int | None = None
@@ -66,7 +70,12 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.source, dict):
-            self.source = SourceSpec.from_dict(self.source)
+            self.source = source_spec(self.source)
+        if isinstance(self.source, BigramBackcopySpec) and self.tokenizer is not None:
+            raise DataError(
+                f"tokenizer={self.tokenizer}: a synthetic source brings its own vocabulary (one "
+                "word per symbol); drop the tokenizer setting"
+            )
         if not 0.0 <= self.val_fraction <= 1.0:
             raise DataError(f"val_fraction={self.val_fraction}: must lie in [0, 1]")
         for name in ("shard_tokens", "batch_chars"):
@@ -85,6 +94,18 @@ class PrepareConfig:
         if missing:
             raise DataError(f"the data config needs {' and '.join(missing)}")
         return cls(**data)
+
+
+def source_spec(data: dict[str, Any]) -> SourceSpec | BigramBackcopySpec:
+    """A data config's ``source:`` mapping: a generator when it names ``synthetic``."""
+    if "synthetic" in data:
+        return BigramBackcopySpec.from_dict(data)
+    return SourceSpec.from_dict(data)
+
+
+def open_source(spec: SourceSpec | BigramBackcopySpec) -> Source | SyntheticSource:
+    """The checked, fingerprinted source of ``spec``."""
+    return SyntheticSource(spec) if isinstance(spec, BigramBackcopySpec) else Source(spec)
 
 
 @dataclass
@@ -191,6 +212,24 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
+def read_split(directory: str | Path, split: str, max_tokens: int | None = None) -> np.ndarray:
+    """The first ``max_tokens`` (default all) tokens of one split, end-of-document ids included."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if split not in meta["splits"] or meta["splits"][split]["tokens"] == 0:
+        have = [name for name, info in meta["splits"].items() if info["tokens"]]
+        raise DataError(f"{directory}: no {split} tokens; splits with tokens: {have}")
+    dtype = np.dtype(meta["dtype"])
+    pieces, left = [], max_tokens
+    for shard in meta["splits"][split]["shards"]:
+        if left is not None and left <= 0:
+            break
+        tokens = np.memmap(directory / shard["file"], dtype=dtype, mode="r")
+        pieces.append(np.array(tokens[:left]))
+        left = None if left is None else left - len(pieces[-1])
+    return np.concatenate(pieces).astype(np.int64)
+
+
 def packed_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer a packed folder was built with (its own copy, so the folder can move)."""
     meta = read_meta(directory)
@@ -207,7 +246,7 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _batches(source: Source, batch_chars: int) -> Iterator[list[str]]:
+def _batches(source: Source | SyntheticSource, batch_chars: int) -> Iterator[list[str]]:
     """Regroup the source's rows into batches of about ``batch_chars`` characters."""
     pending: list[str] = []
     chars = 0
@@ -241,9 +280,14 @@ def prepare_data(
             f"{output}: the folder is not empty and has no {META_FILE}; it is not packed data "
             "from sinklm, so it is left alone: choose a new or empty output folder"
         )
-    source = Source(config.source)
-    origin = None if tokenizer is not None else _tokenizer_location(config.tokenizer)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+    source = open_source(config.source)
+    if isinstance(source, SyntheticSource):
+        origin, tokenizer = f"{source.spec.synthetic} (its own)", source.tokenizer
+    elif tokenizer is None:
+        origin = _tokenizer_location(config.tokenizer or DEFAULT_TOKENIZER)
+        tokenizer = load_tokenizer(config.tokenizer or DEFAULT_TOKENIZER)
+    else:
+        origin = None
     eod = eod_token_id(tokenizer)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
@@ -284,6 +328,8 @@ def prepare_data(
             "splits": counts["splits"],
             "skipped_empty_documents": counts["skipped"],
         }
+        if isinstance(source, SyntheticSource):
+            meta["generator"] = source.summary()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _swap_into_place(tmp, output)
@@ -311,7 +357,7 @@ def _swap_into_place(tmp: Path, output: Path) -> None:
 
 
 def _pack(
-    source: Source,
+    source: Source | SyntheticSource,
     tokenizer: Tokenizer,
     eod: int,
     dtype: np.dtype,

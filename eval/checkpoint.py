@@ -27,9 +27,11 @@ from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
 from sinklm.models.convert import config_from_hf, from_hf_model, from_hf_state_dict
 from sinklm.train.module import CHECKPOINT_KEY, SINK_IDS_KEY, TOKENIZER_KEY
 
+from .options import DTYPE_NAMES
+
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # The precisions an evaluator may load weights in, by their command-line names.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class CheckpointError(ValueError):
@@ -143,9 +145,16 @@ def _load_lightning(
     model.load_state_dict(state, strict=True)
     name = f"{config.name}-{variant_name(config)}"
     tokenizer = Tokenizer.from_str(checkpoint[TOKENIZER_KEY])
+    sink_ids = [int(i) for i in checkpoint[SINK_IDS_KEY]]
+    if len(sink_ids) != config.sink_tokens:
+        raise CheckpointError(
+            f"{path}: the model has sink_tokens={config.sink_tokens} but was trained with "
+            f"{len(sink_ids)} sink ids {sink_ids}: the checkpoint is inconsistent (written by a "
+            "sinklm before model and data shared one sink count); retrain it"
+        )
     probe = checkpoint.get("callbacks", {}).get("SinkProbe", {})
     history = [dict(row) for row in probe.get("history", [])]
-    return model, [int(i) for i in checkpoint[SINK_IDS_KEY]], name, tokenizer, history
+    return model, sink_ids, name, tokenizer, history
 
 
 def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:

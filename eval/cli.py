@@ -8,19 +8,27 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from sinklm.models import ConfigError
 
-from .cache import CacheSpecError, check_policies, paper_caches, parse_caches
-from .checkpoint import DTYPES, Checkpoint, CheckpointError, load_checkpoint
-from .report import format_ppl, markdown_table, write_outputs
-from .sinks import markdown_summary, measure_text, plot_sinks
-from .streaming import DEFAULT_CHUNK, CacheResult, StreamError, evaluate
-from .texts import TextSourceError, check_files, encode_streams, read_dataset, read_files
+from .options import DEVICE_HELP, DTYPE_NAMES, default_device
+from .outputs import output_refusal
 
-USER_ERRORS = (CacheSpecError, CheckpointError, ConfigError, StreamError, TextSourceError)
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+    from .texts import Stream
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors that mean bad input (one line, exit 2). Their modules import torch, so they
+    are imported when a command runs, not when ``sinklm --help`` builds the parser."""
+    from .cache import CacheSpecError
+    from .checkpoint import CheckpointError
+    from .streaming import StreamError
+    from .texts import TextSourceError
+
+    return CacheSpecError, CheckpointError, ConfigError, StreamError, TextSourceError
 
 
 class UsageError(ValueError):
@@ -39,11 +47,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--dataset", metavar="HUB_ID[:split]",
                         help="a datasets id (or local dataset folder), one stream per row; "
                         "split defaults to test, e.g. deepmind/pg19:test")
+    source.add_argument("--packed", metavar="DIR[:split]",
+                        help="token ids of a `sinklm prepare-data` folder's split (default "
+                        "validation), one stream per document; for a model trained with that "
+                        "folder's tokenizer, e.g. the sink lab's packed/bigram_backcopy")
     parser.add_argument("--text-column", default="text", help="dataset column with the text")
     parser.add_argument("--tokenizer", metavar="FILE",
                         help="tokenizer.json to use instead of the checkpoint's")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", help=DEVICE_HELP)
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,10 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="evaluate the first N text tokens (across streams, in order)")
     stream.add_argument("--reference", action="store_true",
                         help="use the token-by-token reference evaluator (slow, the definition)")
-    stream.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
-                        help="queries per step of the fast evaluator")
+    stream.add_argument("--chunk-size", type=int, metavar="N",
+                        help="queries per step of the fast evaluator (default 2048)")
     stream.add_argument("--output", type=Path, default=Path("results.json"),
                         help="results JSON; the .npz and .png go beside it")
+    stream.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output (and the files beside it)")
     stream.set_defaults(func=run_stream_eval)
 
     sinks = subparsers.add_parser(
@@ -96,6 +110,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="positions shown in the attention-map plot")
     sinks.add_argument("--output", type=Path, default=Path("sinks.json"),
                        help="JSON report; plots go beside it")
+    sinks.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --output (and the plots beside it)")
     sinks.set_defaults(func=run_sinks)
 
 
@@ -109,35 +125,63 @@ def _warn(command: str, message: str) -> None:
 
 
 def _load(args: argparse.Namespace) -> Checkpoint:
+    import torch
+
+    from .checkpoint import DTYPES, load_checkpoint
+
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device here; use --device cpu")
     return load_checkpoint(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
                            dtype=DTYPES[args.dtype])
 
 
-def _documents(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+def _check_source(args: argparse.Namespace) -> None:
+    """Fail on a missing text file or packed folder before the model is loaded."""
+    from .texts import check_files, check_packed
+
     if args.text:
-        return read_files(args.text)
-    return read_dataset(args.dataset, args.text_column)
+        check_files(args.text)
+    elif args.packed:
+        check_packed(args.packed)
+
+
+def _streams(args: argparse.Namespace, checkpoint: Checkpoint, sink_ids: list[int],
+             max_tokens: int | None) -> list[Stream]:
+    """The streams of --text, --dataset or --packed in the checkpoint's tokens."""
+    from .texts import encode_streams, packed_streams, read_dataset, read_files
+
+    if args.packed:
+        return packed_streams(args.packed, checkpoint.tokenizer, sink_ids, max_tokens)
+    documents: Iterator[tuple[str, str]] = (
+        read_files(args.text) if args.text else read_dataset(args.dataset, args.text_column)
+    )
+    return encode_streams(documents, checkpoint.tokenizer, sink_ids, max_tokens)
 
 
 def run_stream_eval(args: argparse.Namespace) -> int:
     command = "stream-eval"
+    refusal = output_refusal(args.output, args.overwrite)
+    if refusal:
+        return _fail(command, refusal)
+    from .cache import check_policies, paper_caches, parse_caches
+    from .report import format_ppl, markdown_table, write_outputs
+    from .streaming import DEFAULT_CHUNK, CacheResult, evaluate
+
+    args.device = args.device or default_device()
+    chunk_size = DEFAULT_CHUNK if args.chunk_size is None else args.chunk_size
     try:
         if args.max_tokens is not None and args.max_tokens < 2:
             raise UsageError(f"--max-tokens {args.max_tokens}: must be at least 2")
-        if args.chunk_size < 1:
-            raise UsageError(f"--chunk-size {args.chunk_size}: must be at least 1")
+        if chunk_size < 1:
+            raise UsageError(f"--chunk-size {chunk_size}: must be at least 1")
         policies = parse_caches(args.cache) if args.cache is not None else None
-        if args.text:
-            check_files(args.text)
+        _check_source(args)
         checkpoint = _load(args)
         config = checkpoint.model.config
         if policies is None:
             policies = paper_caches(config.max_seq_len // 2)
         sink_ids = checkpoint.sink_token_ids
-        streams = encode_streams(_documents(args), checkpoint.tokenizer, sink_ids,
-                                 args.max_tokens)
+        streams = _streams(args, checkpoint, sink_ids, args.max_tokens)
         longest = max(len(s.ids) for s in streams)
         for warning in check_policies(policies, longest, config.max_seq_len, len(sink_ids)):
             _warn(command, warning)
@@ -151,8 +195,8 @@ def run_stream_eval(args: argparse.Namespace) -> int:
 
         results = evaluate(checkpoint.model, [s.ids.to(args.device) for s in streams], policies,
                            sinks=len(sink_ids), reference=args.reference,
-                           chunk_size=args.chunk_size, on_result=report)
-    except (*USER_ERRORS, UsageError) as error:
+                           chunk_size=chunk_size, on_result=report, progress=True)
+    except (*user_errors(), UsageError) as error:
         return _fail(command, str(error))
     header = {
         "checkpoint": args.checkpoint,
@@ -180,6 +224,14 @@ def _row_label(checkpoint: Checkpoint) -> str:
 
 def run_sinks(args: argparse.Namespace) -> int:
     command = "sinks"
+    refusal = output_refusal(args.output, args.overwrite)
+    if refusal:
+        return _fail(command, refusal)
+    import torch
+
+    from .sinks import markdown_summary, measure_text, plot_sinks
+
+    args.device = args.device or default_device()
     try:
         for name, value, low in (("--windows", args.windows, 1), ("--first", args.first, 1),
                                  ("--map-size", args.map_size, 1)):
@@ -187,8 +239,7 @@ def run_sinks(args: argparse.Namespace) -> int:
                 raise UsageError(f"{name} {value}: must be at least {low}")
         if not 0.0 <= args.eps < 1.0:
             raise UsageError(f"--eps {args.eps}: must lie in [0, 1)")
-        if args.text:
-            check_files(args.text)
+        _check_source(args)
         checkpoint = _load(args)
         config = checkpoint.model.config
         window = args.window if args.window is not None else min(512, config.max_seq_len)
@@ -200,10 +251,10 @@ def run_sinks(args: argparse.Namespace) -> int:
             _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
                   "positions the model was trained on")
         budget = args.windows * (window - len(sink_ids))
-        streams = encode_streams(_documents(args), checkpoint.tokenizer, [], budget)
+        streams = _streams(args, checkpoint, [], budget)
         report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
                               args.windows, args.first, args.eps, args.map_size)
-    except (*USER_ERRORS, UsageError) as error:
+    except (*user_errors(), UsageError) as error:
         return _fail(command, str(error))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     plots = plot_sinks(report, args.output.with_suffix(""))

@@ -19,10 +19,8 @@ import csv
 import datetime
 import hashlib
 import json
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -33,12 +31,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .cache import CachePolicy, CacheSpecError, check_policies, paper_caches
+from .cache import CachePolicy, CacheSpecError, Dense, StartRecent, check_policies, paper_caches
 from .checkpoint import DTYPES, HUB_ID, Checkpoint, CheckpointError, load_checkpoint
+from .outputs import write_atomic
 from .report import format_ppl, markdown_table, plot_running_ppl
 from .sinks import measure_text
 from .streaming import CacheResult, evaluate
-from .texts import check_files, encode_streams, read_files
+from .texts import (
+    Stream,
+    check_files,
+    check_packed,
+    encode_streams,
+    packed_streams,
+    read_files,
+    split_packed_spec,
+)
 
 KIND = "sinklm-compare"
 # Everything compare writes in its output folder; anything else there is the user's.
@@ -53,6 +60,8 @@ SINK_WINDOW = 512
 SINK_WINDOWS = 4
 SINK_FIRST = 4
 SINK_EPS = 0.3
+# 0+W at least this many times 1+(W-1): the report says the model depends on its first token.
+DEPENDENCE_RATIO = 1.1
 # What a cached model description holds: its fields and the sink probe's training record.
 MODEL_SETTING = {"fields": ["describe", "sink_token_ids", "training_sinks"]}
 
@@ -63,11 +72,13 @@ class CompareError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    """What a comparison measures. ``caches`` None: the paper's grid for half the shortest
-    trained context of the checkpoints; ``tasks`` empty: no zero-shot."""
+    """What a comparison measures: streams of ``texts`` (files) or of a ``packed`` split.
+    ``caches`` None: the paper's grid for half the shortest trained context of the
+    checkpoints; ``tasks`` empty: no zero-shot."""
 
     texts: tuple[Path, ...]
     caches: tuple[CachePolicy, ...] | None = None
+    packed: str | None = None  # DIR[:split] of packed token ids, instead of texts
     max_tokens: int | None = None
     tasks: tuple[str, ...] = ()
     data_dir: Path | None = None
@@ -88,6 +99,7 @@ class Report:
     zeroshot_table: str | None
     sinks_table: str
     training_sinks_table: str | None  # when checkpoints carry the sink probe's record
+    findings: list[str]  # measured sentences on what the streaming table shows
     files: dict[str, str]
     computed: int
     reused: int
@@ -123,9 +135,21 @@ def checkpoint_identity(spec: str) -> dict[str, Any]:
             "files": [[name, s.st_size, s.st_mtime_ns] for name, s in stats]}
 
 
-def text_identity(paths: Sequence[Path]) -> list[dict[str, str]]:
-    """Each text by name and content hash: a moved copy of a book keeps its results."""
-    return [{"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in paths]
+def text_identity(settings: Settings) -> list[dict[str, str]]:
+    """Each text by name and content hash (a moved copy of a book keeps its results), or the
+    packed split by its source fingerprint and tokenizer."""
+    if settings.packed is not None:
+        meta = check_packed(settings.packed)
+        folder, split = split_packed_spec(settings.packed)
+        return [{"packed": folder.name, "split": split, "source": meta["source_fingerprint"],
+                 "tokenizer": meta["tokenizer_hash"]}]
+    return [{"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            for p in settings.texts]
+
+
+def text_names(text: list[dict[str, str]]) -> str:
+    """The texts as a reader knows them: file names, or DIR:split."""
+    return ", ".join(t["file"] if "file" in t else f"{t['packed']}:{t['split']}" for t in text)
 
 
 def check_output(output: Path, overwrite: bool) -> Path:
@@ -194,7 +218,7 @@ class ModelResults:
     def put(self, kind: str, setting: dict[str, Any], result: Any) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         document = {"identity": self.identity, "setting": setting, "result": result}
-        _write_atomic(self._path(kind, setting), json.dumps(document, indent=1) + "\n")
+        write_atomic(self._path(kind, setting), json.dumps(document, indent=1) + "\n")
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -215,6 +239,14 @@ class ModelResults:
         self.release()  # loaded again only if a result is missing
         return meta
 
+    def _streams(self, sink_ids: list[int], max_tokens: int | None) -> list[Stream]:
+        """The evaluation streams in this checkpoint's tokens, ``sink_ids`` in front."""
+        checkpoint, settings = self.checkpoint, self.settings
+        if settings.packed is not None:
+            return packed_streams(settings.packed, checkpoint.tokenizer, sink_ids, max_tokens)
+        return encode_streams(read_files(list(settings.texts)), checkpoint.tokenizer, sink_ids,
+                              max_tokens)
+
     # --- streaming ---------------------------------------------------------------------------
 
     def stream_setting(self, policy: CachePolicy, text: list[dict[str, str]]) -> dict[str, Any]:
@@ -227,7 +259,8 @@ class ModelResults:
         losses = self._path("stream", setting, ".npy")
         if row is None or not losses.is_file():
             return None
-        return CacheResult(policy, np.load(losses), row["seconds"], row.get("notes", []))
+        return CacheResult(policy, np.load(losses), row["seconds"], row.get("notes", []),
+                           row.get("max_position"))
 
     def stream(self, policies: Sequence[CachePolicy], text: list[dict[str, str]],
                on_result: Callable[[CacheResult], None]) -> None:
@@ -235,8 +268,7 @@ class ModelResults:
         checkpoint = self.checkpoint
         config = checkpoint.model.config
         sink_ids = checkpoint.sink_token_ids
-        streams = encode_streams(read_files(list(self.settings.texts)), checkpoint.tokenizer,
-                                 sink_ids, self.settings.max_tokens)
+        streams = self._streams(sink_ids, self.settings.max_tokens)
         longest = max(len(s.ids) for s in streams)
         try:
             warnings = check_policies(
@@ -272,8 +304,7 @@ class ModelResults:
         sink_ids = checkpoint.sink_token_ids
         window = setting["window"]
         budget = SINK_WINDOWS * (window - len(sink_ids))
-        streams = encode_streams(read_files(list(self.settings.texts)), checkpoint.tokenizer,
-                                 [], budget)
+        streams = self._streams([], budget)
         report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
                               SINK_WINDOWS, SINK_FIRST, SINK_EPS)
         self.put("sinks", setting, report.to_json())
@@ -311,19 +342,14 @@ def _warn(message: str) -> None:
     tqdm.write(f"sinklm compare: warning: {message}", file=sys.stderr)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(tmp, path)
-
-
 def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
             overwrite: bool = False) -> Report:
     """Evaluate (or reuse) every checkpoint and write the report to ``output``."""
     if not checkpoints:
         raise CompareError("name at least one checkpoint")
     out = check_output(output, overwrite)
+    if (settings.packed is None) == (not settings.texts):
+        raise CompareError("give the texts to stream (files) or a packed split, not both")
     check_files(list(settings.texts))
     specs: list[str | dict[str, Any]] = []
     if settings.tasks:
@@ -340,7 +366,7 @@ def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
     caches = settings.caches or tuple(
         paper_caches(min(m.meta["max_seq_len"] for m in models) // 2)
     )
-    text = text_identity(settings.texts)
+    text = text_identity(settings)
 
     # What is missing, so the bar counts real work only.
     stream_todo = [[p for p in caches if m.cached_stream(p, text) is None] for m in models]
@@ -397,28 +423,102 @@ def zeroshot_markdown(results: dict[str, dict[str, dict[str, Any]]], tasks: Sequ
     return "\n".join(lines)
 
 
+def non_trigger_first(report: dict[str, Any]) -> float | None:
+    """The strongest head's attention from non-trigger queries to position 0 (Bigram-Backcopy
+    only), from a sink report's JSON."""
+    group = report.get("targets", {}).get("non_trigger")
+    return None if group is None else max(head[0] for layer in group for head in layer)
+
+
 def sinks_markdown(sinks: dict[str, dict[str, Any]]) -> str:
     """Sink_1^eps and the attention each layer gives position 0 (a sink id if the model has
-    them), per model."""
-    lines = [f"| Model | Sink_1^{SINK_EPS:g} | attention to position 0 per layer |",
-             "|---|---:|---|"]
+    them), per model; on Bigram-Backcopy also the non-trigger queries' attention to it."""
+    triggers = any(non_trigger_first(report) is not None for report in sinks.values())
+    extra = " attention to position 0 from non-trigger queries (strongest head) |"
+    lines = [f"| Model | Sink_1^{SINK_EPS:g} | attention to position 0 per layer |"
+             + (extra if triggers else ""), "|---|---:|---|" + ("---:|" if triggers else "")]
     for label, report in sinks.items():
         layers = ", ".join(f"{m:.3f}" for m in report["attention_to_first_per_layer"])
-        lines.append(f"| {label} | {report['sink_rate']['1']:.3f} | {layers} |")
+        row = f"| {label} | {report['sink_rate']['1']:.3f} | {layers} |"
+        if triggers:
+            value = non_trigger_first(report)
+            row += f" {'-' if value is None else f'{value:.3f}'} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
+def sink_findings(sinks: dict[str, dict[str, Any]]) -> list[str]:
+    """One measured sentence per model on whether a first-token sink formed (Gu et al.)."""
+    findings = []
+    for label, report in sinks.items():
+        heads = np.asarray(report["attention_to_position"])[:, :, 0]
+        above = int((heads > report["eps"]).sum())
+        verdict = (f"{above} of {heads.size} heads give position 0 more than {report['eps']:g} "
+                   "of their attention: a first-token sink formed" if above else
+                   f"no head gives position 0 more than {report['eps']:g} of its attention "
+                   f"(at most {heads.max():.3f}): no first-token sink by this measure")
+        findings.append(f"{label}: {verdict}.")
+    return findings
+
+
+def first_token_findings(streams: dict[str, list[CacheResult]],
+                         context: dict[str, int]) -> list[str]:
+    """One measured sentence per model on what its first tokens do under the paper's caches
+    (0+W against 1+(W-1) and 4+(W-4)), and a note when dense runs past the trained context."""
+    findings = []
+    for label, results in streams.items():
+        by_start = {(r.policy.sinks, r.policy.size): r.ppl for r in results
+                    if isinstance(r.policy, StartRecent)}
+        for (start, size), window in sorted(by_start.items()):
+            one, four = by_start.get((1, size)), by_start.get((4, size))
+            if start != 0 or one is None:
+                continue
+            ratio = window / one
+            verdict = ("it depends on its first token: dropping it breaks the model"
+                       if ratio >= DEPENDENCE_RATIO else
+                       "it does not depend on its first token")
+            sentence = (f"{label}: window-only 0+{size} perplexity is {ratio:.2f}x that of "
+                        f"1+{size - 1} ({format_ppl(window)} vs {format_ppl(one)}): {verdict}")
+            if four is not None:
+                change = four / one - 1
+                sentence += (f"; 4+{size - 4} is {abs(change):.1%} "
+                             f"{'below' if change < 0 else 'above'} 1+{size - 1}")
+            findings.append(sentence + ".")
+        dense = next((r for r in results if isinstance(r.policy, Dense)), None)
+        if dense is not None and (dense.max_position or 0) >= context[label]:
+            findings.append(
+                f"{label}: dense attention reaches position {dense.max_position:,}, past the "
+                f"{context[label]} positions the model was trained on; its perplexity "
+                f"({format_ppl(dense.ppl)}) measures length extrapolation, not the cache."
+            )
+    return findings
+
+
+def _strongest_non_trigger(row: dict[str, Any]) -> float | None:
+    values = row.get("non_trigger_first")
+    return None if values is None else max(max(layer) for layer in values)
+
+
 def training_sinks_markdown(training: dict[str, list[dict[str, Any]]]) -> str:
-    """Per model, when the sink probe first saw Sink_1^eps above zero, and its last reading."""
+    """Per model, when the sink probe first saw Sink_1^eps above zero, and its last reading
+    (with the non-trigger queries' attention to position 0 on Bigram-Backcopy)."""
+    triggers = any(_strongest_non_trigger(h[-1]) is not None for h in training.values())
     lines = ["| Model | probes | tokens trained | Sink_1^0.3 first > 0 at | last Sink_1^0.3 | "
-             "last attention to position 0 per layer |", "|---|---:|---:|---:|---:|---|"]
+             "last attention to position 0 per layer |"
+             + (" last non-trigger attention to position 0 (strongest head) |" if triggers
+                else ""),
+             "|---|---:|---:|---:|---:|---|" + ("---:|" if triggers else "")]
     for label, history in training.items():
         last = history[-1]
         formed = next((row["tokens"] for row in history if row["sink_rate"] > 0), None)
         layers = ", ".join(f"{m:.3f}" for m in last["first_mass"])
-        lines.append(f"| {label} | {len(history)} | {last['tokens']:,} | "
-                     f"{'never' if formed is None else f'{formed:,} tokens'} | "
-                     f"{last['sink_rate']:.3f} | {layers} |")
+        row = (f"| {label} | {len(history)} | {last['tokens']:,} | "
+               f"{'never' if formed is None else f'{formed:,} tokens'} | "
+               f"{last['sink_rate']:.3f} | {layers} |")
+        if triggers:
+            value = _strongest_non_trigger(last)
+            row += f" {'-' if value is None else f'{value:.3f}'} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -429,20 +529,29 @@ def _plot_training_sinks(training: dict[str, list[dict[str, Any]]], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # On Bigram-Backcopy the right panel shows what the mechanism predicts: the attention of
+    # non-trigger queries to position 0, in the strongest head.
+    triggers = all(_strongest_non_trigger(h[-1]) is not None for h in training.values())
     fig, (rate, mass) = plt.subplots(1, 2, figsize=(11, 4))
     for label, history in training.items():
         tokens = [row["tokens"] for row in history]
         rate.plot(tokens, [row["sink_rate"] for row in history], marker="o", label=label)
-        mass.plot(tokens, [max(row["first_mass"]) for row in history], marker="o", label=label)
+        attention = [_strongest_non_trigger(row) if triggers else max(row["first_mass"])
+                     for row in history]
+        mass.plot(tokens, attention, marker="o", label=label)
     # Log tokens: runs of very different lengths share the plot, and sinks form over decades.
     rate.set(xlabel="training tokens", ylabel=f"Sink_1^{SINK_EPS:g} (share of heads)",
              xscale="log", ylim=(-0.02, 1.02), title="heads with a first-token sink")
-    mass.set(xlabel="training tokens", ylabel="attention to position 0 (strongest layer)",
+    mass.set(xlabel="training tokens",
+             ylabel=("non-trigger attention to pos. 0" if triggers
+                     else "attention to position 0 (strongest layer)"),
              xscale="log", ylim=(0, 1), title="attention on the first token")
     for ax in (rate, mass):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    # One legend below both panels: many runs' labels would hide the curves.
+    handles, labels = rate.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncols=2)
+    fig.tight_layout(rect=(0, 0.06 * (1 + len(labels) // 2), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -505,6 +614,9 @@ def write_report(
     columns = [p.label for p in caches]
     rows = {label: [r.to_json() for r in results] for label, results in streams.items()}
     streaming_table = markdown_table(list(rows.items()))
+    findings = first_token_findings(
+        streams, {label: m.meta["max_seq_len"] for m, label in zip(models, labels, strict=True)}
+    ) + sink_findings(sinks)
     _write_csv(out / "streaming.csv", ["model", *columns],
                [[label, *(r["ppl"] for r in results)] for label, results in rows.items()])
     files["streaming_csv"] = str(out / "streaming.csv")
@@ -558,11 +670,13 @@ def write_report(
         "",
         "## Streaming perplexity (StreamingLLM's Table 3 layout)",
         "",
-        f"Text: {', '.join(t['file'] for t in text)}, tokenized by each model's tokenizer. "
+        f"Text: {text_names(text)}, tokenized by each model's tokenizer. "
         "Cache x+y keeps the first x tokens and the y most recent, "
         "positions re-assigned inside the cache; dense keeps everything.",
         "",
         streaming_table,
+        "",
+        *(f"- {sentence}" for sentence in findings),
         "",
         "![perplexity per cache](streaming.png)",
         "",
@@ -604,9 +718,10 @@ def write_report(
             for m, label in zip(models, labels, strict=True)
         ],
         "streaming": {"text": text, "max_tokens": settings.max_tokens, "dtype": settings.dtype,
-                      "caches": columns, "results": rows},
-        "sinks": {label: {k: report[k] for k in ("window", "windows", "eps", "sink_rate",
-                                                 "attention_to_first_per_layer")}
+                      "caches": columns, "results": rows, "findings": findings},
+        "sinks": {label: {**{k: report[k] for k in ("window", "windows", "eps", "sink_rate",
+                                                    "attention_to_first_per_layer")},
+                          "non_trigger_first": non_trigger_first(report)}
                   for label, report in sinks.items()},
         "training_sinks": training,
         "zeroshot": None if not tasks else {
@@ -617,7 +732,7 @@ def write_report(
         "results": {"computed": computed, "reused": reused},
         "files": files,
     }
-    _write_atomic(out / "report.json", json.dumps(document, indent=2) + "\n")
-    return Report(out, streaming_table, zeroshot_table, sinks_table, training_table, files,
-                  computed, reused)
+    write_atomic(out / "report.json", json.dumps(document, indent=2) + "\n")
+    return Report(out, streaming_table, zeroshot_table, sinks_table, training_table, findings,
+                  files, computed, reused)
 

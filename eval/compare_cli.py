@@ -6,11 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from .cache import parse_caches
-from .checkpoint import DTYPES
-from .cli import USER_ERRORS
+from .cli import user_errors
+from .options import DEVICE_HELP, DTYPE_NAMES, default_device
 from .zeroshot_tasks import ZeroshotError
 
 
@@ -37,9 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("checkpoints", nargs="+", metavar="P",
                         help="checkpoints to compare: .ckpt, folder or Hub id")
-    parser.add_argument("--text", action="append", required=True, metavar="FILE",
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", action="append", metavar="FILE",
                         help="a UTF-8 text file for streaming and sinks, one stream per file "
                         "(repeatable)")
+    source.add_argument("--packed", metavar="DIR[:split]",
+                        help="token ids of a `sinklm prepare-data` folder's split (default "
+                        "validation), one stream per document, e.g. packed/bigram_backcopy "
+                        "(needs checkpoints trained with that folder's tokenizer)")
     parser.add_argument("--cache", help="comma-separated cache specs")
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="stream the first N text tokens (across files, in order)")
@@ -57,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the report folder (reused: its cache makes reruns cheap)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a folder that holds other files (they stay)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", help=DEVICE_HELP)
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     parser.set_defaults(func=run_compare)
 
 
@@ -68,12 +70,16 @@ def _fail(message: object, code: int = 2) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from .cache import parse_caches
     from .compare import CompareError, Settings, compare
 
     for name, value, low in (("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
                              ("--batch-size", args.batch_size, 1)):
         if value is not None and value < low:
             return _fail(f"{name} {value}: must be at least {low}")
+    args.device = args.device or default_device()
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         return _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
     tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
@@ -81,19 +87,21 @@ def run_compare(args: argparse.Namespace) -> int:
         return _fail("--data-dir is for zero-shot tasks; name them with --tasks")
     try:
         settings = Settings(
-            texts=tuple(Path(t).expanduser() for t in args.text),
+            texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
             caches=tuple(parse_caches(args.cache)) if args.cache is not None else None,
             max_tokens=args.max_tokens, tasks=tasks, data_dir=args.data_dir, limit=args.limit,
             batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters,
             device=args.device, dtype=args.dtype,
         )
         report = compare(args.checkpoints, args.output, settings, args.overwrite)
-    except (*USER_ERRORS, CompareError, ZeroshotError) as error:
+    except (*user_errors(), CompareError, ZeroshotError) as error:
         return _fail(error)
     except ConnectionError as error:  # datasets cannot reach the Hub
         return _fail(f"{error}: the Hub datasets need the network; --data-dir FOLDER reads "
                      "local files instead", code=1)
     print(report.streaming_table)
+    print()
+    print("\n".join(report.findings))
     print()
     print(report.sinks_table)
     if report.training_sinks_table is not None:

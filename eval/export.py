@@ -40,6 +40,7 @@ from sinklm.models.configuration_sinklm import MODEL_TYPE
 from sinklm.models.convert import hf_config_from, to_hf_state_dict
 
 from .checkpoint import Checkpoint
+from .outputs import make_readable
 from .zeroshot_tasks import RESULTS_KIND
 
 # sinklm's network files that modeling_sinklm.py imports (relatively), and the wrapper itself.
@@ -228,7 +229,9 @@ def _write_weights(checkpoint: Checkpoint, folder: Path) -> None:
     model = checkpoint.model
     state = model.state_dict() if needs_remote_code(model.config) else to_hf_state_dict(model)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = folder / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    make_readable(path)  # safetensors writes through a private (0600) temporary file
 
 
 def write_tokenizer(tokenizer: Tokenizer, eod_id: int, folder: Path, max_length: int) -> None:

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
-
-from .checkpoint import DTYPES, CheckpointError, load_checkpoint
+from .options import DEVICE_HELP, DTYPE_NAMES
+from .outputs import output_refusal, write_atomic
 from .zeroshot_tasks import PAPER_TASKS
 
 
@@ -42,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--output", required=True, help="the folder to write")
     export.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
     export.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="precision of the saved weights"
+        "--dtype", choices=DTYPE_NAMES, default="float32", help="precision of the saved weights"
     )
     export.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this repo")
     export.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -77,9 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     zeroshot.add_argument("--data-dir", help="read the tasks from local files in this folder")
     zeroshot.add_argument("--output", required=True, help="the results JSON file to write")
     zeroshot.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    zeroshot.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    zeroshot.add_argument("--device", help=DEVICE_HELP)
     zeroshot.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="precision of the weights"
+        "--dtype", choices=DTYPE_NAMES, default="float32", help="precision of the weights"
     )
     zeroshot.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
     zeroshot.add_argument(
@@ -95,6 +92,7 @@ def _fail(command: str, error: Exception | str, code: int = 2) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from .checkpoint import DTYPES, CheckpointError, load_checkpoint
     from .export import (
         ExportError,
         HubError,
@@ -112,8 +110,7 @@ def run_export(args: argparse.Namespace) -> int:
         check_output(args.output, args.checkpoint, args.overwrite)
         if args.push_to_hub:
             check_hub_token(args.push_to_hub)
-        dtype = getattr(torch, args.dtype)
-        checkpoint = load_checkpoint(args.checkpoint, args.tokenizer, dtype=dtype)
+        checkpoint = load_checkpoint(args.checkpoint, args.tokenizer, dtype=DTYPES[args.dtype])
         folder = export_model(
             checkpoint,
             args.output,
@@ -137,14 +134,14 @@ def run_export(args: argparse.Namespace) -> int:
 def run_zeroshot(args: argparse.Namespace) -> int:
     from lm_eval.utils import make_table
 
+    from .checkpoint import CheckpointError
     from .zeroshot import SinkLMEval, evaluate, summarize
     from .zeroshot_tasks import ZeroshotError, task_specs
 
     output = Path(args.output).expanduser()
-    if output.is_dir():
-        return _fail("zeroshot", f"--output {output} is a folder; give a .json file path")
-    if output.exists() and not args.overwrite:
-        return _fail("zeroshot", f"--output {output} exists: pass --overwrite to replace it")
+    refusal = output_refusal(output, args.overwrite)
+    if refusal:
+        return _fail("zeroshot", refusal)
     if args.limit is not None and args.limit < 1:
         return _fail("zeroshot", f"--limit {args.limit}: give a positive number of items")
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
@@ -173,11 +170,7 @@ def run_zeroshot(args: argparse.Namespace) -> int:
     }
     results = summarize(raw, model, settings)
     output.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
-    with os.fdopen(handle, "w") as file:
-        json.dump(results, file, indent=2)
-        file.write("\n")
-    os.replace(tmp, output)
+    write_atomic(output, json.dumps(results, indent=2) + "\n")
     print(make_table(raw))
     print(f"sinklm zeroshot: wrote {output}")
     return 0

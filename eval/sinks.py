@@ -24,11 +24,17 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from sinklm.data.synthetic import trigger_token_ids
 from sinklm.models import CausalLM
 
 from .checkpoint import Checkpoint
 
 TOKEN_CLASSES = ("first", "sink_ids", "newline", "punctuation", "other")
+# Query groups of the relative-target table: every query, and on Bigram-Backcopy (a tokenizer
+# with trigger symbols) the queries that are not triggers (a copy head has nothing to do there:
+# where it parks is the sink) and those that are (where it must look at the previous token).
+QUERY_GROUPS = ("all", "non_trigger", "trigger")
+TARGETS = ("first", "self", "previous")
 
 
 def token_class(text: str) -> str:
@@ -87,6 +93,9 @@ class SinkReport:
     class_share: np.ndarray  # [L, H, classes]: mean mass per token class over queries t >= 1
     class_counts: dict[str, int]  # positions of each class in the windows
     attention_map: np.ndarray  # [L, H, m, m]: mean probabilities among the first m positions
+    # Per query group (QUERY_GROUPS, those with queries): [L, H, 3] mean attention of queries
+    # t >= 2 to position 0, to themselves and to the previous token (TARGETS).
+    targets: dict[str, np.ndarray]
 
     def sink_rate(self, position: int = 1) -> float:
         """Gu et al.'s Sink_k^eps for the 1-based ``position`` k: share of heads above eps."""
@@ -95,6 +104,12 @@ class SinkReport:
     def sink_heads(self, position: int = 1) -> list[tuple[int, int]]:
         above = np.argwhere(self.to_position[:, :, position - 1] > self.eps)
         return [(int(layer), int(head)) for layer, head in above]
+
+    def non_trigger_first(self) -> np.ndarray | None:
+        """[L, H] attention of non-trigger queries to position 0 (Bigram-Backcopy only): the
+        quantity the active-dormant mechanism predicts to grow in the copy heads."""
+        group = self.targets.get("non_trigger")
+        return None if group is None else group[:, :, 0]
 
     def dominant(self) -> list[list[tuple[str, float]]]:
         """Per layer and head: where most of its attention goes, and that share."""
@@ -126,6 +141,8 @@ class SinkReport:
                 "dominant": [[{"class": c, "share": s} for c, s in row] for row in self.dominant()],
             },
             "attention_map": self.attention_map.tolist(),
+            "targets": {"targets": list(TARGETS),
+                        **{group: value.tolist() for group, value in self.targets.items()}},
         }
 
 
@@ -137,8 +154,10 @@ def measure_sinks(
     first: int = 4,
     eps: float = 0.3,
     map_size: int = 16,
+    trigger_ids: list[int] | None = None,
 ) -> SinkReport:
-    """Attention statistics of ``model`` on ``windows`` (token ids) with per-position classes."""
+    """Attention statistics of ``model`` on ``windows`` (token ids) with per-position classes;
+    with ``trigger_ids`` (Bigram-Backcopy), also per trigger / non-trigger query."""
     device = next(model.parameters()).device
     n_layer, n_head = model.config.n_layer, model.config.n_head
     has_sink = model.config.attention.softmax in ("softmax1", "sink_logit")
@@ -149,6 +168,9 @@ def measure_sinks(
     implicit = torch.zeros(n_layer, n_head, dtype=torch.float64)
     share = torch.zeros(n_layer, n_head, len(TOKEN_CLASSES), dtype=torch.float64)
     attention_map = torch.zeros(n_layer, n_head, size, size, dtype=torch.float64)
+    targets = torch.zeros(len(QUERY_GROUPS), n_layer, n_head, len(TARGETS), dtype=torch.float64)
+    group_count = torch.zeros(len(QUERY_GROUPS), dtype=torch.float64)
+    triggers = torch.tensor(sorted(trigger_ids or []), dtype=torch.long)
     queries = 0
     for ids, cls in zip(windows, classes, strict=True):
         _, probs = model.forward_with_attentions(ids.unsqueeze(0).to(device))
@@ -156,12 +178,17 @@ def measure_sinks(
         t = len(ids)
         position_count += torch.arange(t, t - first, -1, dtype=torch.float64)
         queries += t - 1
+        groups = _query_groups(ids, triggers)  # [G, T - 2] over queries 2..T-1
+        group_count += groups.sum(1)
+        rows = torch.arange(2, t)
         for layer, p in enumerate(probs):
             p = p[0].double()  # [H, T, S]
             to_position[layer] += p[:, :, :first].sum(1).cpu()
             implicit[layer] += (1.0 - p[:, 1:].sum(-1)).sum(-1).cpu()
             share[layer] += (p[:, 1:] @ one_hot).sum(1).cpu()
             attention_map[layer] += p[:, :size, :size].cpu()
+            picked = torch.stack([p[:, 2:, 0], p[:, rows, rows], p[:, rows, rows - 1]], -1).cpu()
+            targets[:, layer] += torch.einsum("gq,hqk->ghk", groups, picked)
     counts = torch.stack([torch.bincount(c, minlength=len(TOKEN_CLASSES)) for c in classes]).sum(0)
     return SinkReport(
         window=max(len(w) for w in windows),
@@ -172,7 +199,20 @@ def measure_sinks(
         class_share=(share / queries).numpy(),
         class_counts={name: int(n) for name, n in zip(TOKEN_CLASSES, counts, strict=True)},
         attention_map=(attention_map / len(windows)).numpy(),
+        targets={name: (targets[g] / group_count[g]).numpy()
+                 for g, name in enumerate(QUERY_GROUPS) if group_count[g] > 0},
     )
+
+
+def _query_groups(ids: Tensor, triggers: Tensor) -> Tensor:
+    """[groups, T - 2] float masks over queries 2..T-1: all, non-trigger, trigger (the last two
+    empty when there are no trigger ids)."""
+    queries = ids[2:].cpu()
+    everyone = torch.ones(len(queries), dtype=torch.float64)
+    if len(triggers) == 0:
+        return torch.stack([everyone, torch.zeros_like(everyone), torch.zeros_like(everyone)])
+    is_trigger = torch.isin(queries, triggers).double()
+    return torch.stack([everyone, 1.0 - is_trigger, is_trigger])
 
 
 def measure_text(
@@ -188,7 +228,8 @@ def measure_text(
     sink_ids = checkpoint.sink_token_ids
     windows = make_windows(text_ids, sink_ids, window, count)
     classes = [classify_positions(checkpoint.tokenizer, w, len(sink_ids)) for w in windows]
-    return measure_sinks(checkpoint.model, windows, classes, first, eps, map_size)
+    return measure_sinks(checkpoint.model, windows, classes, first, eps, map_size,
+                         trigger_token_ids(checkpoint.tokenizer))
 
 
 def markdown_summary(report: SinkReport) -> str:
@@ -208,6 +249,13 @@ def markdown_summary(report: SinkReport) -> str:
         where = ", ".join(f"h{h} {name} {share:.0%}" for h, (name, share) in enumerate(heads))
         first_mass = report.to_position[layer, :, 0].mean()
         lines.append(f"| {layer} | {first_mass:.3f} | {sink} | {where} |")
+    groups = [g for g in QUERY_GROUPS if g in report.targets]
+    lines += ["", "Where each head's queries (t >= 2) look, as first / self / previous token:", "",
+              "| layer | head | " + " | ".join(f"{g.replace('_', '-')} queries" for g in groups)
+              + " |", "|---:|---:|" + "---|" * len(groups)]
+    for (layer, head), _ in np.ndenumerate(report.to_position[:, :, 0]):
+        cells = [" / ".join(f"{v:.2f}" for v in report.targets[g][layer, head]) for g in groups]
+        lines.append(f"| {layer} | {head} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,9 @@ Both evaluators run under ``torch.inference_mode``: it dispatches each op more c
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +38,9 @@ from sinklm.models import CausalLM, KVCache
 from sinklm.models.model import Attention, RotaryEmbedding
 
 from .cache import CachePolicy, Recompute, StartRecent
+
+# Told how many more tokens were scored (a progress bar's update).
+Progress = Callable[[int], object]
 
 # Queries per fast step; bigger amortises the per-step overhead (~1 ms of op dispatch on CPU),
 # smaller bounds the score block. 2048 measured best on CPU (tiny-1m, 4+252; 1024: -3..8%).
@@ -86,6 +91,10 @@ class VocabHead:
                       out=out[r : r + HEAD_ROWS])
 
 
+def _no_progress(tokens: int) -> None:
+    """A progress callback that shows nothing."""
+
+
 def _output(ids: Tensor, sinks: int) -> Tensor:
     """The per-token loss buffer of a stream, allocated once: many small tensors kept across
     chunks would pin the freed logits' memory (allocator fragmentation) and RSS would grow."""
@@ -113,18 +122,20 @@ def _check_stream(model: CausalLM, ids: Tensor, sinks: int) -> None:
 
 
 @torch.inference_mode()
-def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: int = 0) -> Tensor:
+def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: int = 0,
+                     progress: Progress | None = None) -> Tensor:
     """Per-token losses [len(ids) - sinks - 1], one model call per token: the definition itself.
 
     ``x+y`` and ``dense`` decode with the model's ``KVCache``: before each token the policy's
     evictions, then cached positions re-assigned to 0..len-1 (dense keeps true positions, which
     are the same numbers) and the token at the next position. ``recompute`` re-encodes each
-    token's window from position 0.
+    token's window from position 0. ``progress`` is told of each scored token.
     """
     _check_stream(model, ids, sinks)
     ids = ids.to(_device(model))
+    progress = progress or _no_progress
     if isinstance(policy, Recompute):
-        return _recompute_reference(model, ids, policy, sinks)
+        return _recompute_reference(model, ids, policy, sinks, progress)
     cache = KVCache(model.config.n_layer)
     losses = _output(ids, sinks)
     for t in range(len(ids) - 1):
@@ -137,6 +148,7 @@ def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: i
         logits = model(ids[t : t + 1].unsqueeze(0), position_ids=position, cache=cache)
         if t >= sinks:
             losses[t - sinks] = _token_losses(logits[0, -1:], ids[t + 1 : t + 2])[0]
+            progress(1)
     return losses.cpu()
 
 
@@ -168,7 +180,8 @@ def _recompute_check(policy: Recompute, sinks: int) -> None:
 
 
 @torch.inference_mode()
-def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int) -> Tensor:
+def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int,
+                         progress: Progress) -> Tensor:
     _recompute_check(policy, sinks)
     losses = _output(ids, sinks)
     previous = -1
@@ -181,6 +194,7 @@ def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, sinks:
             if t >= sinks:
                 row = len(window) - 1 - (end - t)
                 losses[t - sinks] = _token_losses(logits[row : row + 1], ids[t + 1 : t + 2])[0]
+                progress(1)
         previous = end
     return losses.cpu()
 
@@ -323,14 +337,14 @@ class StartRecentState:
         hidden = decoder.embed_in(ids)
         geometry = self._geometry(model, len(ids), hidden.dtype, ids.device)
         for block, layer in zip(decoder.layers, self.layers, strict=True):
-            attn = self._attention(block.attention, decoder.rotary, block.input_layernorm(hidden),
-                                   layer, geometry)
-            hidden = hidden + attn + block.mlp(block.post_attention_layernorm(hidden))
+            hidden = block.residual(hidden, functools.partial(
+                self._attention, block.attention, decoder.rotary, layer=layer, geometry=geometry
+            ))
         self.next_index += len(ids)
         return hidden
 
     def _attention(
-        self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, layer: LayerCache,
+        self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, *, layer: LayerCache,
         geometry: ChunkGeometry,
     ) -> Tensor:
         x, y = self.policy.sinks, self.policy.recent
@@ -356,7 +370,7 @@ class StartRecentState:
         # written once and rotated in place (rotary touches only the first r dims).
         held = layer.recent_k.shape[1]
         keys = _band(layer.recent_k, k, prefix + y - held, padded - c)
-        keys[..., :r] = rotary.apply(keys[..., :r], *geometry.band)
+        keys[..., :r] = rotary.rotate(keys[..., :r], *geometry.band)
         values = _band(layer.recent_v, v, y - held, padded - c)
         if c >= y:  # the new recent keys (before rotary) and values: views, no copy
             layer.recent_k, layer.recent_v = k[:, c - y :], v[:, c - y :]
@@ -367,11 +381,11 @@ class StartRecentState:
         query = q.new_empty(h, padded, d)
         torch.mul(q, scale, out=query[:, :c])
         query[:, c:] = 0.0  # padded queries: finite, and dropped below
-        query[:, :c, :r] = rotary.apply(query[:, :c, :r], *geometry.query)
+        query[:, :c, :r] = rotary.rotate(query[:, :c, :r], *geometry.query)
         if prefix > first:  # for the initial keys: the query rotated to P_j
             initial_k = layer.initial_k
-            initial_query = rotary.apply(q[..., :r] * scale, *geometry.initial_query)
-            initial_rotated = rotary.apply(initial_k[..., :r], *geometry.initial)
+            initial_query = rotary.rotate(q[..., :r] * scale, *geometry.initial_query)
+            initial_rotated = rotary.rotate(initial_k[..., :r], *geometry.initial)
 
         # One head at a time, so that its score rows [blocks, block, prefix + window] stay in
         # cache from the scores through the softmax to the values; the buffer is reused by
@@ -427,19 +441,22 @@ def fast_losses(
     policy: CachePolicy,
     sinks: int = 0,
     chunk_size: int = DEFAULT_CHUNK,
+    progress: Progress | None = None,
 ) -> Tensor:
     """The same per-token losses as :func:`reference_losses`, in batched steps.
 
     ``x+y``: chunks of ``chunk_size`` queries through :class:`StartRecentState`. ``dense``: chunks
     through the model with a growing ``KVCache`` (true positions, as the reference). ``recompute``:
-    many windows per batch, the first (shared prefix) window once.
+    many windows per batch, the first (shared prefix) window once. ``progress`` is told how
+    many tokens each step scored.
     """
     _check_stream(model, ids, sinks)
     if chunk_size < 1:
         raise StreamError(f"chunk_size={chunk_size}: must be >= 1")
     ids = ids.to(_device(model))
+    progress = progress or _no_progress
     if isinstance(policy, Recompute):
-        return _recompute_fast(model, ids, policy, sinks)
+        return _recompute_fast(model, ids, policy, sinks, progress)
     n = len(ids)
     state = StartRecentState.empty(model, policy) if isinstance(policy, StartRecent) else None
     head = VocabHead(model, chunk_size)
@@ -459,6 +476,7 @@ def fast_losses(
                 losses[first - sinks : b - sinks] = _token_losses(
                     logits[first - a :], ids[first + 1 : b + 1]
                 )
+        progress(max(0, b - first))
     return losses.cpu()
 
 
@@ -475,7 +493,8 @@ def _hidden(model: CausalLM, batch: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int) -> Tensor:
+def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int,
+                    progress: Progress) -> Tensor:
     """Queries inside the first window share one causal pass; later windows go in batches."""
     _recompute_check(policy, sinks)
     n, window = len(ids), policy.window
@@ -486,6 +505,7 @@ def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int)
     head = VocabHead(model, HEAD_ROWS)
     head.losses(hidden[sinks:], ids[sinks + 1 : first_end + 2],
                 losses[: first_end + 1 - sinks])
+    progress(first_end + 1 - sinks)
     later = [end for end in ends if end > first_end]
     per_batch = max(1, RECOMPUTE_BATCH_TOKENS // window)
     offsets = torch.arange(window - sinks, device=ids.device)
@@ -502,6 +522,7 @@ def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int)
             previous = end
         head.losses(torch.cat(rows), ids[start + 1 : previous + 2],
                     losses[start - sinks : previous + 1 - sinks])
+        progress(previous + 1 - start)
     return losses.cpu()
 
 
@@ -516,6 +537,7 @@ class CacheResult:
     losses: np.ndarray  # float32, the scored targets of all streams in order
     seconds: float
     notes: list[str] = field(default_factory=list)
+    max_position: int | None = None  # the largest position any query reached
 
     @property
     def tokens(self) -> int:
@@ -544,6 +566,7 @@ class CacheResult:
             "tokens": self.tokens,
             "tokens_per_second": self.tokens_per_second,
             "seconds": self.seconds,
+            "max_position": self.max_position,
         }
         if isinstance(policy, Recompute):
             row |= {"window": policy.window, "stride": policy.stride}
@@ -560,16 +583,23 @@ def evaluate(
     reference: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     on_result: Callable[[CacheResult], None] | None = None,
+    progress: bool = False,
 ) -> list[CacheResult]:
-    """Every policy on every stream (each stream starts with ``sinks`` sink ids)."""
+    """Every policy on every stream (each stream starts with ``sinks`` sink ids); with
+    ``progress``, a bar per cache on stderr with tokens/s."""
+    from tqdm import tqdm
+
     results = []
+    scored = sum(len(ids) - sinks - 1 for ids in streams)
     for policy in policies:
         start = time.perf_counter()
-        parts = [
-            reference_losses(model, ids, policy, sinks) if reference
-            else fast_losses(model, ids, policy, sinks, chunk_size)
-            for ids in streams
-        ]
+        with tqdm(total=scored, desc=f"cache {policy.label}", unit="tok", unit_scale=True,
+                  disable=not progress, leave=False, file=sys.stderr) as bar:
+            parts = [
+                reference_losses(model, ids, policy, sinks, bar.update) if reference
+                else fast_losses(model, ids, policy, sinks, chunk_size, bar.update)
+                for ids in streams
+            ]
         seconds = time.perf_counter() - start
         notes = []
         if isinstance(policy, StartRecent):
@@ -579,7 +609,8 @@ def evaluate(
                     f"{len(short)} of {len(streams)} streams ({min(short)} tokens or fewer) never "
                     f"fill the {policy.size}-token cache: those losses equal dense"
                 )
-        result = CacheResult(policy, torch.cat(parts).numpy().astype(np.float32), seconds, notes)
+        result = CacheResult(policy, torch.cat(parts).numpy().astype(np.float32), seconds, notes,
+                             max(policy.max_position(len(ids)) for ids in streams))
         if on_result is not None:
             on_result(result)
         results.append(result)

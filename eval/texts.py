@@ -7,13 +7,19 @@ after loading, so a test on a local book exercises what a PG19 run does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 from torch import Tensor
+
+from sinklm.data.errors import DataError
+from sinklm.data.packing import SPLITS, read_meta, read_split
+from sinklm.data.tokenizer import tokenizer_hash
 
 
 class TextSourceError(ValueError):
@@ -88,19 +94,73 @@ def encode_streams(
 
     Documents with fewer than two tokens are skipped: they have no scored target.
     """
+    encoded = (
+        (name, tokenizer.encode(text, add_special_tokens=False).ids) for name, text in documents
+    )
+    return _streams(encoded, sink_ids, max_tokens)
+
+
+def _streams(
+    documents: Iterable[tuple[str, Sequence[int]]], sink_ids: list[int], max_tokens: int | None
+) -> list[Stream]:
     streams: list[Stream] = []
     budget = max_tokens
-    for name, text in documents:
+    for name, ids in documents:
         if budget is not None and budget <= 0:
             break
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
         if budget is not None:
             ids = ids[:budget]
             budget -= len(ids)
         if len(ids) < 2:
             continue
-        stream = torch.tensor([*sink_ids, *ids], dtype=torch.long)
+        stream = torch.cat([torch.tensor(sink_ids, dtype=torch.long),
+                            torch.as_tensor(np.asarray(ids), dtype=torch.long)])
         streams.append(Stream(name, stream, len(sink_ids)))
     if not streams:
         raise TextSourceError("no document with at least two tokens to evaluate")
     return streams
+
+
+def split_packed_spec(spec: str) -> tuple[Path, str]:
+    """``DIR[:split]`` as (folder, split); the split defaults to ``validation`` (held out)."""
+    folder, sep, split = spec.rpartition(":")
+    if sep and folder and split in SPLITS:
+        return Path(folder).expanduser(), split
+    return Path(spec).expanduser(), "validation"
+
+
+def check_packed(spec: str) -> dict[str, Any]:
+    """The meta.json of a ``--packed DIR[:split]`` source, checked before a model is loaded."""
+    folder, split = split_packed_spec(spec)
+    try:
+        meta = read_meta(folder)
+    except DataError as error:
+        raise TextSourceError(f"--packed {spec}: {error}") from None
+    if not meta["splits"].get(split, {}).get("tokens"):
+        raise TextSourceError(
+            f"--packed {spec}: the {split} split is empty; pack with a validation fraction > 0 "
+            "(`sinklm prepare-data --val-fraction 0.05 ...`) or name the train split (DIR:train)"
+        )
+    return meta
+
+
+def packed_streams(
+    spec: str, tokenizer: Tokenizer, sink_ids: list[int], max_tokens: int | None = None
+) -> list[Stream]:
+    """Streams of the documents of a packed split (the ids as packed, split at end-of-document),
+    for a model whose tokenizer is the one the folder was packed with."""
+    meta = check_packed(spec)
+    if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
+        raise TextSourceError(
+            f"--packed {spec} was packed with another tokenizer ({meta['tokenizer']}) than the "
+            "model's: evaluate on text (--text) or on data packed with the model's tokenizer"
+        )
+    folder, split = split_packed_spec(spec)
+    # A document needs at most max_tokens + its end-of-document id; read no more than that.
+    reach = None if max_tokens is None else max_tokens + meta["splits"][split]["documents"]
+    tokens = read_split(folder, split, reach)
+    # Piece i > 0 starts with the end-of-document id that closed document i - 1.
+    pieces = np.split(tokens, np.flatnonzero(tokens == meta["eod_id"]))
+    documents = ((f"{folder.name}:{split}[{i}]", piece[1:] if i else piece)
+                 for i, piece in enumerate(pieces))
+    return _streams(documents, sink_ids, max_tokens)

@@ -6,14 +6,15 @@ import argparse
 import json
 import sys
 
-import torch
-
 from .config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ConfigError, ModelConfig
-from .model import CausalLM
 
 
 def count_params(config: ModelConfig) -> int:
     """Parameter count without allocating weights (the model is built on the meta device)."""
+    import torch  # here, not at the top: `sinklm --help` must not wait for torch
+
+    from .model import CausalLM
+
     with torch.device("meta"):
         return CausalLM(config).num_params()
 

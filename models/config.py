@@ -69,6 +69,9 @@ class ModelConfig:
     mlp_ratio: int = 4
     layer_norm_eps: float = 1e-5
     gelu_approximate: Literal["none", "tanh"] = "none"  # "none" = exact erf GELU, as HF's "gelu"
+    # Pythia's x + attn(ln1(x)) + mlp(ln2(x)); False: GPT-2's sequential h = x + attn(ln1(x)),
+    # h + mlp(ln2(h)). GPTNeoXConfig's ``use_parallel_residual``, so both export as GPTNeoX.
+    use_parallel_residual: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     sink_tokens: int = 0
 
@@ -182,6 +185,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 5.3M parameters with a 4096-token BPE: trains at ~6k tokens/s on 2 CPU cores.
     "tiny-5m": dict(
         name="tiny-5m", vocab_size=4096, n_layer=4, n_head=8, d_model=256, max_seq_len=512
+    ),
+    # The sink lab's model (configs/experiments/bb-*.yaml): one layer, one head, on the
+    # Bigram-Backcopy task's 66 ids plus room for sink ids.
+    "lab-1l": dict(
+        name="lab-1l", vocab_size=72, n_layer=1, n_head=1, d_model=128, max_seq_len=128
     ),
     # 1.4M parameters: for tests and smoke runs that finish in seconds.
     "tiny-1m": dict(

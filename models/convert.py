@@ -43,8 +43,6 @@ def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelCo
             f"model_type={getattr(hf_config, 'model_type', None)!r}: only GPT-NeoX (Pythia) "
             "checkpoints convert; pass a GPTNeoX model"
         )
-    if not getattr(hf_config, "use_parallel_residual", True):
-        raise ConfigError("use_parallel_residual=False: sinklm models use the parallel residual")
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ConfigError("tie_word_embeddings=True: sinklm models have untied embeddings")
     if not getattr(hf_config, "attention_bias", True):
@@ -69,6 +67,7 @@ def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelCo
         mlp_ratio=hf_config.intermediate_size // hf_config.hidden_size,
         layer_norm_eps=hf_config.layer_norm_eps,
         gelu_approximate=HF_GELU[hf_config.hidden_act],  # type: ignore[arg-type]
+        use_parallel_residual=bool(getattr(hf_config, "use_parallel_residual", True)),
         attention={"softmax": extra.get("attention_softmax", "softmax"), "backend": "sdpa"},
         sink_tokens=int(extra.get("sink_tokens", 0)),
     )
@@ -89,7 +88,7 @@ def hf_config_from(config: ModelConfig) -> GPTNeoXConfig:
         layer_norm_eps=config.layer_norm_eps,
         rotary_pct=config.rotary_pct,
         rotary_emb_base=config.rotary_base,
-        use_parallel_residual=True,
+        use_parallel_residual=config.use_parallel_residual,
         tie_word_embeddings=False,
         attention_bias=True,
         bos_token_id=0,

@@ -13,6 +13,7 @@ evict entries and re-assign the positions of what it keeps.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,21 +49,36 @@ class KVCache:
 
 
 class RotaryEmbedding(nn.Module):
-    """GPT-NeoX rotate-half rotary on the first ``rotary_dims`` dims of each head."""
+    """GPT-NeoX rotate-half rotary on the first ``rotary_dims`` dims of each head.
+
+    Holds no buffer: the frequencies are recomputed in fp32 on each call (a few elements), so
+    ``model.to(torch.bfloat16)`` cannot round them (bf16 frequencies put the angle ~0.4 rad
+    off at position 4000). Angles are fp32, or float64 in a float64 model; only cos and sin
+    take the activations' dtype.
+    """
 
     def __init__(self, rotary_dims: int, base: float) -> None:
         super().__init__()
         self.rotary_dims = rotary_dims
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dims, 2).float() / rotary_dims))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.base = base
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        """base^(-2i / rotary_dims) for i < rotary_dims / 2, in fp32 (as GPT-NeoX computes it)."""
+        exponents = torch.arange(0, self.rotary_dims, 2, dtype=torch.float32, device=device)
+        return 1.0 / (self.base ** (exponents / self.rotary_dims))
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin for ``positions`` [B, T], shaped [B, 1, T, rotary_dims]."""
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        """cos and sin for ``positions`` [B, T], shaped [B, 1, T, rotary_dims], in ``dtype``
+        (the angles in fp32 at least)."""
+        angle_dtype = torch.promote_types(dtype, torch.float32)
+        inv_freq = self.inv_freq(positions.device).to(angle_dtype)
+        freqs = positions.unsqueeze(-1).to(angle_dtype) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x`` rotated by the angles of ``cos``/``sin`` (named so as not to shadow
+        ``nn.Module.apply``, which ``model.apply(init_fn)`` needs)."""
         r = self.rotary_dims
         x_rot, x_pass = x[..., :r], x[..., r:]
         x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
@@ -112,8 +128,8 @@ class Attention(nn.Module):
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         new_past = (k, v) if use_cache else None  # no views escape otherwise (FSDP2 warns)
-        q = rotary.apply(q, *rope_q)
-        k = rotary.apply(k, *rope_k)
+        q = rotary.rotate(q, *rope_q)
+        k = rotary.rotate(k, *rope_k)
         probs = None
         if need_weights or self.backend == "eager":
             y, probs = eager_attention(q, k, v, self.sink())
@@ -137,7 +153,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Parallel residual: x + attn(ln1(x)) + mlp(ln2(x))."""
+    """Parallel residual x + attn(ln1(x)) + mlp(ln2(x)) (Pythia), or sequential
+    h = x + attn(ln1(x)), h + mlp(ln2(h)) when ``use_parallel_residual`` is off."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -145,6 +162,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.attention = Attention(config)
         self.mlp = MLP(config)
+        self.parallel = config.use_parallel_residual
+
+    def residual(self, x: Tensor, attention: Callable[[Tensor], Tensor]) -> Tensor:
+        """The block around ``attention`` (any function of ln1(x) with the attention's output):
+        the model's forward and the streaming evaluator's cache share this one definition."""
+        attn = attention(self.input_layernorm(x))
+        if self.parallel:
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        h = x + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(
         self,
@@ -156,10 +183,18 @@ class Block(nn.Module):
         need_weights: bool,
         use_cache: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
-        attn, new_past, probs = self.attention(
-            self.input_layernorm(x), rotary, rope_q, rope_k, past, need_weights, use_cache
-        )
-        return x + attn + self.mlp(self.post_attention_layernorm(x)), new_past, probs
+        extras: list[tuple[Tensor, Tensor] | Tensor | None] = []
+
+        def attention(x_in: Tensor) -> Tensor:
+            out, new_past, probs = self.attention(
+                x_in, rotary, rope_q, rope_k, past, need_weights, use_cache
+            )
+            extras.extend((new_past, probs))
+            return out
+
+        x = self.residual(x, attention)
+        new_past, probs = extras
+        return x, new_past, probs  # type: ignore[return-value]
 
 
 class Decoder(nn.Module):

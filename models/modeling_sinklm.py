@@ -22,7 +22,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from .configuration_sinklm import SinkLMConfig
 from .convert import config_from_hf
-from .model import Attention, CausalLM, RotaryEmbedding
+from .model import Attention, CausalLM
 
 
 class SinkLMForCausalLM(PreTrainedModel, GenerationMixin):
@@ -44,15 +44,12 @@ class SinkLMForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Recompute the non-persistent buffers transformers leaves uninitialised after loading.
+        """Recompute the non-persistent buffer transformers leaves uninitialised after loading.
 
         Parameters come from the weights file, or from CausalLM's Pythia initialisation when
         the model is built from a config, so they are left alone.
         """
-        if isinstance(module, RotaryEmbedding):
-            fresh = RotaryEmbedding(module.rotary_dims, self.network.config.rotary_base)
-            module.inv_freq.copy_(fresh.inv_freq)
-        elif isinstance(module, Attention) and module.softmax == "softmax1":
+        if isinstance(module, Attention) and module.softmax == "softmax1":
             module.zero_sink.zero_()
 
     def get_input_embeddings(self) -> nn.Embedding:

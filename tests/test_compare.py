@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -219,3 +220,38 @@ def test_training_sinks_table_by_hand() -> None:
     table = training_sinks_markdown({"formed": history, "flat": flat}).splitlines()
     assert table[2] == "| formed | 3 | 3,000 | 2,000 tokens | 0.500 | 0.700, 0.800 |"
     assert table[3] == "| flat | 3 | 3,000 | never | 0.000 | 0.700, 0.800 |"
+
+
+def test_findings_say_in_words_what_the_caches_measured() -> None:
+    from sinklm.eval.cache import Dense, StartRecent
+    from sinklm.eval.compare import first_token_findings
+    from sinklm.eval.streaming import CacheResult
+
+    def result(policy: object, ppl: float, max_position: int = 63) -> CacheResult:
+        return CacheResult(policy, np.full(10, np.log(ppl), dtype=np.float32), 1.0, [],
+                           max_position)
+
+    streams = {
+        "sink": [result(StartRecent(0, 64), 40.0), result(StartRecent(1, 63), 5.0),
+                 result(StartRecent(4, 60), 4.9), result(Dense(), 100.0, 8191)],
+        "plain": [result(StartRecent(0, 64), 5.05), result(StartRecent(1, 63), 5.0),
+                  result(Dense(), 5.0, 100)],
+    }
+    sink, dense, plain = first_token_findings(streams, {"sink": 128, "plain": 128})
+    assert sink.startswith("sink: window-only 0+64 perplexity is 8.00x that of 1+63 (40.00 vs "
+                           "5.00): it depends on its first token")
+    assert "4+60 is 2.0% below 1+63" in sink
+    assert "reaches position 8,191, past the 128 positions" in dense and "100.00" in dense
+    assert "1.01x" in plain and "does not depend on its first token" in plain
+
+
+def test_findings_say_whether_a_first_token_sink_formed() -> None:
+    from sinklm.eval.compare import sink_findings
+
+    formed, none = sink_findings({
+        "a": {"eps": 0.3, "attention_to_position": [[[0.9], [0.1]], [[0.31], [0.2]]]},
+        "b": {"eps": 0.3, "attention_to_position": [[[0.12], [0.05]]]},
+    })
+    assert formed == ("a: 2 of 4 heads give position 0 more than 0.3 of their attention: a "
+                      "first-token sink formed.")
+    assert none.startswith("b: no head gives position 0 more than 0.3") and "0.120" in none

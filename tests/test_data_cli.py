@@ -21,10 +21,15 @@ def test_prepare_data_from_a_config_with_flag_overrides(
     source = tmp_path / "docs.jsonl"
     texts = [f"Document {i}. {TEXT}" for i in range(6)]
     source.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    # The tokenizer through a symbolic link, as when ../shared is one: meta.json records the
+    # resolved path, so paths are compared resolved.
+    linked = tmp_path / "shared-link"
+    linked.symlink_to(data_neox_path.parent, target_is_directory=True)
     config = tmp_path / "data.yaml"
     config.write_text(yaml.safe_dump({
         "source": {"path": str(source), "text_field": "body", "cache_dir": str(tmp_path / "c")},
-        "tokenizer": str(data_neox_path), "output": str(tmp_path / "out"), "val_fraction": 0.5,
+        "tokenizer": str(linked / data_neox_path.name), "output": str(tmp_path / "out"),
+        "val_fraction": 0.5,
     }))
     assert main(["prepare-data", "--config", str(config), "--seed", "3"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -34,7 +39,8 @@ def test_prepare_data_from_a_config_with_flag_overrides(
     assert splits["train"]["documents"] == splits["validation"]["documents"] == 3
     assert splits["train"]["tokens"] + splits["validation"]["tokens"] == total
     meta = read_meta(tmp_path / "out")
-    assert (meta["seed"], meta["val_fraction"], meta["tokenizer"]) == (3, 0.5, str(data_neox_path))
+    assert (meta["seed"], meta["val_fraction"]) == (3, 0.5)
+    assert Path(meta["tokenizer"]).resolve() == data_neox_path.resolve()
     assert main(["prepare-data", "--config", str(config), "--seed", "3"]) == 0
     assert "reusing" in capsys.readouterr().err
     assert main(["prepare-data", "--config", str(config)]) == 2  # seed 0 now: refused
@@ -83,8 +89,30 @@ def test_train_tokenizer_then_pack_with_it(
     meta = read_meta(tmp_path / "packed")
     assert meta["splits"]["train"]["tokens"] == len(tokenizer.encode(TEXT).ids) + 1
     assert main(["train-tokenizer", "--source", str(tmp_path / "book.txt"), "--vocab-size",
-                 "10", "--output", str(out)]) == 2
+                 "10", "--output", str(out), "--overwrite"]) == 2
     assert "sinklm train-tokenizer: vocab_size=10" in capsys.readouterr().err
+
+
+def test_train_tokenizer_refuses_an_existing_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Packed data records its tokenizer's hash: replacing the file silently would orphan it."""
+    (tmp_path / "book.txt").write_text(TEXT)
+    out = tmp_path / "tok"
+    argv = ["train-tokenizer", "--source", str(tmp_path / "book.txt"), "--min-frequency", "1",
+            "--output", str(out)]
+    assert main([*argv, "--vocab-size", "290"]) == 0
+    before = (out / "tokenizer.json").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"sinklm train-tokenizer: --output {out} already holds a tokenizer.json: "
+                   "pass --overwrite to replace it\n")
+    assert (out / "tokenizer.json").read_text() == before
+    assert main([*argv, "--vocab-size", "300", "--overwrite"]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 300
+    assert main([*argv, "--vocab-size", "290", "--output", str(tmp_path / "book.txt")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["prepare-data", "train-tokenizer"])

@@ -5,6 +5,7 @@ seconds; its printed numbers are the report's and those of evaluating the checkp
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def demo_data(data_shared: Path, tmp_path: Path) -> Path:
 
 
 def demo_args(data: Path, *extra: str) -> list[str]:
-    return ["demo", "--data", str(data), "--steps", "2", "--max-eval-tokens", "2000",
+    return ["demo", "--data", str(data), "--steps", "2", "--lab-steps", "2",
+            "--max-eval-tokens", "2000", "--lab-eval-tokens", "2000",
             "--output-dir", "runs/demo", "--threads", "1", *extra, *TINY]
 
 
@@ -57,6 +59,17 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
+    # The sink lab first: Bigram-Backcopy packed, three bb models, the table from its report.
+    assert out.index("## Sink lab") < out.index("## Natural text")
+    lab = json.loads(Path("runs/demo/lab/report/report.json").read_text())
+    assert [m["label"] for m in lab["models"]] == [
+        "lab-1l-vanilla", "lab-1l-zero_sink", "lab-1l-sink_token"]
+    assert lab["streaming"]["caches"] == ["0+64", "1+63", "2+62", "4+60", "dense"]
+    assert demo.lab_table(argparse.Namespace(files={"json": "runs/demo/lab/report/report.json"})
+                          ) in out
+    assert all(sentence in out for sentence in lab["streaming"]["findings"])
+    assert json.loads(Path("packed/bigram_backcopy/meta.json").read_text())["source"][
+        "synthetic"] == "bigram-backcopy"
     report = json.loads(Path("runs/demo/report/report.json").read_text())
     labels = [m["label"] for m in report["models"]]
     assert labels == ["tiny-5m-vanilla", "tiny-5m-zero_sink", "tiny-5m-sink_token"]
@@ -91,6 +104,7 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     assert sinklm_main(demo_args(demo_data)) == 0
     out = capsys.readouterr().out
     assert table in out and "0 results measured in this run, 18 reused" in out
+    assert out.count("0 results measured in this run, 18 reused") == 2  # the lab's too
 
     assert sinklm_main(demo_args(demo_data, "--steps", "3")) == 2
     err = capsys.readouterr().err

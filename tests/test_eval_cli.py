@@ -301,5 +301,36 @@ def test_sinks_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "Sink_1^0.3 = " in out and "implicit sink" in out
 
     code, _, err = run_cli(capsys, "sinks", "--checkpoint", folder, "--text", BOOK,
-                           "--window", 2, "--output", output)
+                           "--window", 2, "--output", output, "--overwrite")
     assert code == 2 and "sinklm sinks: --window 2" in err
+
+
+# --- one overwrite rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["stream-eval", "sinks"])
+def test_an_existing_output_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    text = tmp_path / "book.txt"
+    text.write_text("It was a dark and stormy night.\n")
+    output = tmp_path / "result.json"
+    output.write_text("{}\n")
+    argv = [command, "--checkpoint", tmp_path / "absent", "--text", text, "--output", output]
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err == f"sinklm {command}: --output {output} exists: pass --overwrite to replace it\n"
+    assert output.read_text() == "{}\n"
+    # With --overwrite the command goes on, as far as the (absent) checkpoint.
+    code, _, err = run_cli(capsys, *argv, "--overwrite")
+    assert code == 2 and "exists" not in err and str(tmp_path / "absent") in err
+    code, _, err = run_cli(capsys, *argv[:-1], tmp_path, "--overwrite")
+    assert code == 2 and f"--output {tmp_path} is a folder" in err
+
+
+def test_chunk_size_help_states_the_evaluators_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from sinklm.eval.streaming import DEFAULT_CHUNK
+
+    with pytest.raises(SystemExit):
+        main(["stream-eval", "--help"])
+    assert f"(default {DEFAULT_CHUNK})" in " ".join(capsys.readouterr().out.split())

@@ -125,3 +125,25 @@ def test_report_json_summary_and_plots(tmp_path: Path) -> None:
     paths = plot_sinks(report, tmp_path / "sinks")
     assert sorted(paths) == ["classes", "first", "maps"]
     assert all(Path(p).stat().st_size > 0 for p in paths.values())
+
+
+@pytest.mark.parametrize("softmax", ["softmax", "softmax1"])
+def test_targets_per_query_group_in_closed_form(softmax: str) -> None:
+    """Uniform attention gives every target of query t the weight 1 / (t + 1) (+1 for the
+    zero sink), so each group's mean is that over the group's queries t >= 2."""
+    model = uniform_model(softmax)
+    extra = softmax == "softmax1"
+    ids = torch.tensor([[9, 3, 7, 3, 3, 8, 7, 1, 3, 2, 7, 5]])
+    classes = [torch.zeros(12, dtype=torch.long)]
+    report = measure_sinks(model, list(ids), classes, first=1, trigger_ids=[3, 7])
+    t = np.arange(2, 12)
+    weight = 1.0 / (t + 1 + extra)
+    trigger = np.isin(ids[0, 2:].numpy(), [3, 7])
+    for group, mask in (("all", np.ones_like(trigger)), ("non_trigger", ~trigger),
+                        ("trigger", trigger)):
+        assert np.allclose(report.targets[group], weight[mask].mean(), atol=1e-6), group
+    assert np.allclose(report.non_trigger_first(), weight[~trigger].mean(), atol=1e-6)
+    assert "non-trigger queries" in markdown_summary(report)
+    plain = measure_sinks(model, list(ids), classes, first=1)  # natural text: no triggers
+    assert set(plain.targets) == {"all"} and plain.non_trigger_first() is None
+    assert set(report.to_json()["targets"]) == {"targets", "all", "non_trigger", "trigger"}

@@ -301,3 +301,27 @@ def test_bad_streams_are_refused() -> None:
         reference_losses(model, torch.tensor([95, 3]), Dense(), sinks=1)
     with pytest.raises(StreamError, match="sink ids"):
         fast_losses(model, stream(10, 2), parse_cache("recompute:2"), sinks=2)
+
+
+@pytest.mark.parametrize("spec", ["2+30", "0+16", "dense", "recompute:24", "recompute:24:5"])
+def test_progress_counts_every_scored_token_once(spec: str) -> None:
+    model = sharp_model("softmax", sink_tokens=1)
+    ids = stream(150, sinks=1)
+    for losses in (fast_losses, reference_losses):
+        told: list[int] = []
+        kwargs = {"chunk_size": 32} if losses is fast_losses else {}
+        losses(model, ids, parse_cache(spec), 1, progress=told.append, **kwargs)
+        assert sum(told) == len(ids) - 2 and min(told) >= 0, losses.__name__
+
+
+def test_stream_sequential_residual_fast_equals_reference() -> None:
+    """GPT-2's block (the sink lab's model) through the fast path's shared block residual."""
+    torch.manual_seed(3)
+    config = ModelConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_seq_len=64,
+                         use_parallel_residual=False)
+    model = CausalLM(config).eval()
+    ids = torch.randint(0, 64, (200,))
+    for spec in ("1+31", "0+16", "dense"):
+        policy = parse_cache(spec)
+        fast = fast_losses(model, ids, policy, 1, chunk_size=48)
+        assert (fast - reference_losses(model, ids, policy, 1)).abs().max().item() < 1e-4

@@ -106,5 +106,22 @@ def test_variants_without_a_gpt_neox_slot_are_refused() -> None:
 def test_non_gpt_neox_config_is_refused() -> None:
     with pytest.raises(ConfigError, match="GPT-NeoX"):
         config_from_hf(transformers.GPT2Config())
-    with pytest.raises(ConfigError, match="parallel residual"):
-        config_from_hf(random_hf_model(use_parallel_residual=False).config)
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        config_from_hf(random_hf_model(tie_word_embeddings=True).config)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_sequential_residual_matches_transformers_both_ways(backend: str) -> None:
+    """GPT-2's block (use_parallel_residual=False, the sink lab's model) as GPTNeoX has it."""
+    hf_model = random_hf_model(use_parallel_residual=False)
+    ours = from_hf_model(hf_model, backend=backend).eval()
+    assert ours.config.use_parallel_residual is False
+    back = to_hf_model(ours).eval()
+    assert back.config.use_parallel_residual is False
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        assert (ours(TOKENS) - expected).abs().max().item() < 1e-4
+        assert (back(TOKENS).logits - expected).abs().max().item() < 1e-4
+    parallel = from_hf_model(random_hf_model(use_parallel_residual=True)).eval()
+    with torch.no_grad():  # the same weights in the other block give other logits
+        assert (parallel(TOKENS) - expected).abs().max().item() > 1e-2

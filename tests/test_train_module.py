@@ -203,3 +203,109 @@ def test_lightning_fsdp1_is_refused_with_the_fix() -> None:
         check_strategy(FSDPStrategy())
     check_strategy(FullyShardedStrategy())
     check_strategy(DDPStrategy())
+
+
+class PoisonBatch(L.Callback):
+    """Make one micro-batch's loss NaN, or one of its gradients inf after backward."""
+
+    def __init__(self, kind: str, batch_idx: int) -> None:
+        self.kind, self.batch_idx, self.active = kind, batch_idx, False
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.active = batch_idx == self.batch_idx
+        if self.active and self.kind == "loss":
+            original = module.loss
+
+            def nan_loss(batch):
+                module.loss = original
+                return original(batch) * float("nan")
+
+            module.loss = nan_loss
+
+    def on_after_backward(self, trainer, module) -> None:
+        if self.active and self.kind == "grad":
+            next(module.parameters()).grad.view(-1)[0] = float("inf")
+
+
+def snapshot(module: SinkLMModule, trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """Copies of every weight and of AdamW's state (exp_avg, exp_avg_sq, step per parameter)."""
+    state = trainer.optimizers[0].state_dict()["state"]
+    weights = {f"weight/{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    return weights | {f"adamw/{i}/{k}": v.clone() for i, s in state.items() for k, v in s.items()}
+
+
+class StateAfterEachStep(L.Callback):
+    """``states[k]``: the snapshot once k optimizer steps have run."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.states.setdefault(trainer.global_step, snapshot(module, trainer))
+
+
+class CountReduces(L.Callback):
+    """Counts the strategy's cross-rank reduces once training has started (the finiteness
+    check is one reduce and one host read of its result)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer, module) -> None:
+        reduce = trainer.strategy.reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return reduce(*args, **kwargs)
+
+        trainer.strategy.reduce = counted
+
+
+def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def poisoned_run(train_data: TinyData, root: Path, policy: str, kind: str, accumulate: int,
+                 steps: int = 6) -> tuple[SinkLMModule, SinkLMDataModule, L.Trainer,
+                                          StateAfterEachStep, CountReduces]:
+    """A run whose step 3 (its last micro-batch) has a non-finite loss or gradient."""
+    module, data, _ = make_run(train_data, root, policy, steps=steps)
+    states, reduces = StateAfterEachStep(), CountReduces()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate,
+        gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+        callbacks=[states, reduces, PoisonBatch(kind, batch_idx=4 * accumulate - 1)],
+        default_root_dir=root,
+    )
+    return module, data, trainer, states, reduces
+
+
+@pytest.mark.parametrize(("kind", "accumulate"), [("grad", 1), ("loss", 2), ("grad", 2)])
+def test_skipped_step_leaves_weights_and_adamw_state_bit_identical(
+    train_data: TinyData, tmp_path: Path, kind: str, accumulate: int
+) -> None:
+    """Under ``skip`` the poisoned step changes no weight and no AdamW moment or step count
+    (zeroed gradients would still move both), also when the micro-batch before it was good;
+    the steps around it do train. Finiteness costs one reduce (one host read) per step, and
+    the skipped batch still counts as a step of the run and of the LR schedule."""
+    module, data, trainer, states, reduces = poisoned_run(
+        train_data, tmp_path, "skip", kind, accumulate
+    )
+    trainer.fit(module, data)
+    assert module.skipped_batches == 1 and reduces.calls == 6
+    assert identical(states.states[3], states.states[4])
+    assert not identical(states.states[2], states.states[3])
+    assert not identical(states.states[4], states.states[5])
+    assert trainer.global_step == 6
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 6
+
+
+def test_nonfinite_gradient_stops_before_the_update(
+    train_data: TinyData, tmp_path: Path
+) -> None:
+    """Under ``stop`` an inf gradient with a finite loss raises, and nothing was updated."""
+    module, data, trainer, states, _ = poisoned_run(train_data, tmp_path, "stop", "grad", 1)
+    with pytest.raises(NonFiniteLossError, match=r"gradient norm is inf at step 3"):
+        trainer.fit(module, data)
+    assert identical(states.states[3], snapshot(module, trainer))

@@ -8,8 +8,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
+from sinklm.data.synthetic import trigger_token_ids
 from sinklm.eval.sinks import classify_positions, measure_sinks
 
 
@@ -77,14 +78,41 @@ class Throughput(L.Callback):
         return get_available_flops(module.device, dtype)
 
 
+# Logged metric -> its label in the progress bar.
+PROGRESS_LABELS = {"train/loss": "loss", "val/loss": "val_loss", "perf/tokens_per_s": "tok/s",
+                   "perf/mfu": "mfu"}
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar with short metric labels and no negative epoch total.
+
+    The logged names (``perf/tokens_per_s``) were cut off on an 80-column terminal, and a run
+    bounded by ``max_steps`` (Lightning's ``max_epochs=-1``) read ``Epoch 0/-2``.
+    """
+
+    def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, module)
+        metrics.pop("v_num", None)  # the logger's version folder, not a measurement
+        if "perf/tokens_per_s" in metrics:
+            metrics["perf/tokens_per_s"] = f"{float(metrics['perf/tokens_per_s']):,.0f}"
+        return {PROGRESS_LABELS.get(name, name): value for name, value in metrics.items()}
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs < 0:  # bounded by max_steps: no epoch total
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+        return super()._get_train_description(current_epoch)
+
+
 class SinkProbe(L.Callback):
     """Every ``every_n_steps``, attention statistics of the model on a fixed probe batch.
 
     The probe is the first batch of validation data (the same tokens for the whole run), so
     the curves show when and how a first-token sink forms: per layer, the attention mass on
     the first position, and Sink_1^eps, the share of heads whose mean attention to the first
-    position exceeds ``eps`` (Gu et al., default 0.3). Computed by ``sinklm.eval.sinks``, the
-    code behind ``sinklm sinks``.
+    position exceeds ``eps`` (Gu et al., default 0.3); on Bigram-Backcopy data also, per layer
+    and head, the attention of non-trigger queries to position 0. Computed by
+    ``sinklm.eval.sinks``, the code behind ``sinklm sinks``.
     """
 
     def __init__(self, every_n_steps: int = 200, eps: float = 0.3, max_rows: int = 4) -> None:
@@ -92,17 +120,17 @@ class SinkProbe(L.Callback):
         self.eps = eps
         self.max_rows = max_rows
         self.history: list[dict[str, Any]] = []
-        self._probe: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._probe: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
 
-    def probe(self, trainer: L.Trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Probe windows and their token classes, built once."""
+    def probe(self, trainer: L.Trainer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """Probe windows, their token classes and the tokenizer's trigger ids, built once."""
         if self._probe is None:
             data = trainer.datamodule
             rows = next(iter(data.probe_dataloader()))["input_ids"][: self.max_rows]
             tokenizer = data.load_tokenizer()
             windows = list(rows)
             classes = [classify_positions(tokenizer, row, data.sink_tokens) for row in windows]
-            self._probe = (windows, classes)
+            self._probe = (windows, classes, trigger_token_ids(tokenizer))
         return self._probe
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
@@ -113,11 +141,12 @@ class SinkProbe(L.Callback):
             return
         if self.history and self.history[-1]["step"] == step:
             return  # gradient accumulation: several micro-batches end on the same step
-        windows, classes = self.probe(trainer)
+        windows, classes, triggers = self.probe(trainer)
         was_training = module.training
         module.eval()
         try:
-            report = measure_sinks(module.model, windows, classes, first=1, eps=self.eps)
+            report = measure_sinks(module.model, windows, classes, first=1, eps=self.eps,
+                                   trigger_ids=triggers)
         finally:
             module.train(was_training)
         tokens_per_step = (
@@ -129,8 +158,13 @@ class SinkProbe(L.Callback):
             "sink_rate": report.sink_rate(1),
             "first_mass": report.to_position[:, :, 0].mean(1).tolist(),
         }
-        self.history.append(row)
         metrics = {f"sinks/first_mass_layer{i}": m for i, m in enumerate(row["first_mass"])}
+        non_trigger = report.non_trigger_first()
+        if non_trigger is not None:  # Bigram-Backcopy: per layer and head
+            row["non_trigger_first"] = non_trigger.tolist()
+            metrics |= {f"sinks/non_trigger_first_layer{i}": float(m.max())
+                        for i, m in enumerate(non_trigger)}
+        self.history.append(row)
         metrics[f"sinks/sink_rate_eps{self.eps}"] = row["sink_rate"]
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

@@ -7,11 +7,14 @@ from pathlib import Path
 import lightning as L
 import torch
 from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
 
 from sinklm.data import (
     MegatronRows,
     PackedDataset,
     ResumableLoader,
+    ResumableSampler,
+    SinkCollator,
     build_loader,
     load_tokenizer,
     packed_tokenizer,
@@ -100,6 +103,16 @@ class SinkLMDataModule(L.LightningDataModule):
         self.vocab_size = vocab_size
         return self.sink_ids
 
+    def identity(self) -> dict[str, str | None]:
+        """What a checkpoint records of its data, so a resume on other data is refused: the
+        tokenizer's hash and the source fingerprint from meta.json (Pythia's Megatron files
+        carry none)."""
+        if self.path is not None:
+            return {"tokenizer_hash": self.meta["tokenizer_hash"],
+                    "source_fingerprint": self.meta["source_fingerprint"]}
+        return {"tokenizer_hash": tokenizer_hash(self.tokenizer or self.load_tokenizer()),
+                "source_fingerprint": None}
+
     def _dataset(self, split: str) -> PackedDataset | MegatronRows:
         if self.megatron_path is not None:
             return MegatronRows(self.megatron_path, self.seq_len, self.sink_tokens)
@@ -128,12 +141,20 @@ class SinkLMDataModule(L.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
         )
 
-    def val_dataloader(self) -> ResumableLoader | list:
+    def val_dataloader(self) -> DataLoader | list:
+        """The validation split in order, from its first window at every pass, so each check
+        scores the same windows (the first ``trainer.limit_val_batches`` batches, or all).
+
+        A plain DataLoader: the ResumableLoader of training counts the batches it hands out,
+        so each check would resume where the last one stopped.
+        """
         if not self._has_validation():
             return []
-        return build_loader(
-            self._dataset("validation"), self.micro_batch_size, self._sinks(), seed=self.seed,
-            shuffle=False, drop_last=False, num_workers=0,
+        dataset = self._dataset("validation")
+        return DataLoader(
+            dataset, batch_size=self.micro_batch_size,
+            sampler=ResumableSampler(len(dataset), self.seed, shuffle=False),
+            collate_fn=SinkCollator(self._sinks(), self.seq_len), drop_last=False,
         )
 
     def probe_dataloader(self) -> ResumableLoader:

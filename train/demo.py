@@ -1,5 +1,11 @@
 """``sinklm demo`` (``make demo``): the whole path on a CPU in minutes, every number measured here.
 
+Part 1, the sink lab (``--only lab``): Bigram-Backcopy data generated and packed as
+``configs/data/bigram_backcopy.yaml`` says; the ``vanilla``, ``zero_sink`` and ``sink_token``
+models of ``configs/experiments/bb-*.yaml`` trained on it; ``sinklm compare`` on its held-out
+validation split with the paper's cache grid. A synthetic task on which sinks form in seconds.
+
+Part 2, natural text (``--only text``):
 1. Data: a byte-level BPE of 4088 ids trained on the corpus, and the corpus packed with it, as
    ``configs/data/local_corpus_bpe4k.yaml`` says (reused when already there). Local data (the
    ``../shared/data`` layout: ``corpus/``, ``books/``) by default; without it, the Hub datasets
@@ -31,6 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 VARIANTS = ("vanilla", "zero_sink", "sink_token")
+LAB_DATA = "data/bigram_backcopy.yaml"
 LOCAL_DATA = Path("../shared/data")
 # 4088 ids: tiny-5m embeds 4096, so 8 stay free for sink ids (configs/data/local_corpus_bpe4k).
 VOCAB_SIZE = 4088
@@ -65,26 +72,38 @@ class DemoData:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="the whole path on a CPU: data, three tiny models, streaming comparison",
-        description="Prepare data, train tiny vanilla, zero_sink and sink_token models "
-        "(configs/experiments/tiny-*.yaml), stream-evaluate them on a held-out book with the "
-        "paper's cache grid, measure sinks, and write a comparison report; where the Hub is "
-        "reachable, also stream a real Pythia. Everything is reused on a rerun.",
+        help="the whole path on a CPU: the sink lab, then three tiny models on natural text",
+        description="Part 1, the sink lab: generate Bigram-Backcopy data, train vanilla, "
+        "zero_sink and sink_token models on it (configs/experiments/bb-*.yaml) and compare "
+        "them on its held-out split with the paper's cache grid, where a sink forms in seconds. "
+        "Part 2, natural text: prepare the corpus, train tiny vanilla, zero_sink and sink_token "
+        "models (configs/experiments/tiny-*.yaml), stream-evaluate them on a held-out book, "
+        "measure sinks, and, where the Hub is reachable, stream a real Pythia. Everything is "
+        "reused on a rerun.",
         epilog="example: sinklm demo\n"
+        "         sinklm demo --only lab\n"
         "         sinklm demo --data ../shared/data --pythia EleutherAI/pythia-160m\n"
-        "         sinklm demo --steps 2 --max-eval-tokens 2000 --output-dir runs/demo-smoke",
+        "         sinklm demo --steps 2 --lab-steps 2 --max-eval-tokens 2000 "
+        "--output-dir runs/demo-smoke",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--only", choices=("lab", "text"),
+                        help="run one part: the sink lab or the natural-text models")
     parser.add_argument("--data", type=Path, metavar="DIR",
                         help=f"local data with corpus/ and books/ (default {LOCAL_DATA} when it "
                         "exists, else the Hub datasets of configs/data)")
     parser.add_argument("--book", type=Path, metavar="FILE",
                         help="held-out text to stream (default: the first of DATA/books)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/demo"), metavar="DIR",
-                        help="runs and reports go here (default runs/demo)")
-    parser.add_argument("--steps", type=int, help="training steps (default: the configs')")
+                        help="runs and reports go here (default runs/demo; the lab in DIR/lab)")
+    parser.add_argument("--steps", type=int,
+                        help="training steps of the natural-text models (default: the configs')")
+    parser.add_argument("--lab-steps", type=int,
+                        help="training steps of the sink lab's models (default: the configs')")
     parser.add_argument("--max-eval-tokens", type=int, default=8192, metavar="N",
                         help="tokens of the book to stream (default 8192)")
+    parser.add_argument("--lab-eval-tokens", type=int, default=16384, metavar="N",
+                        help="tokens of the sink lab's held-out split to stream (default 16384)")
     parser.add_argument("--pythia", default=DEFAULT_PYTHIA, metavar="HUB_ID",
                         help=f"a Pythia to stream where the Hub is reachable (default "
                         f"{DEFAULT_PYTHIA}; 'none' skips it)")
@@ -94,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "sets it) keeps idle threads from spinning")
     parser.add_argument(
         "fit_args", nargs=argparse.REMAINDER,
-        help="after --: extra `sinklm fit` arguments for the three runs, e.g. "
+        help="after --: extra `sinklm fit` arguments for the three natural-text runs, e.g. "
         "-- --trainer.precision=bf16-mixed",
     )
     parser.set_defaults(func=run_demo)
@@ -195,16 +214,16 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def train(variant: str, run_dir: Path, packed: Path, meta: dict[str, Any],
+def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str, Any],
           steps: int | None, fit_args: list[str]) -> Path:
-    """``sinklm fit`` of ``configs/experiments/tiny-VARIANT.yaml`` into ``run_dir``; resumed if
-    interrupted, skipped if done, refused if ``run_dir`` holds a run of other settings."""
+    """``sinklm fit`` of ``configs/experiments/FAMILY-VARIANT.yaml`` into ``run_dir``; resumed
+    if interrupted, skipped if done, refused if ``run_dir`` holds a run of other settings."""
     import torch
 
     from sinklm.train.fit import newest_checkpoint, run_fit
 
-    config_path = CONFIGS / "experiments" / f"tiny-{variant}.yaml"
-    config = _config(f"experiments/tiny-{variant}.yaml")
+    config_path = CONFIGS / "experiments" / f"{family}-{variant}.yaml"
+    config = _config(f"experiments/{family}-{variant}.yaml")
     steps = steps or config["trainer"]["max_steps"]
     settings = {"config": _sha256(config_path), "steps": steps, "fit_args": fit_args,
                 "tokenizer_hash": meta["tokenizer_hash"],
@@ -227,7 +246,7 @@ def train(variant: str, run_dir: Path, packed: Path, meta: dict[str, Any],
     if done == steps:
         _say(f"reusing {run_dir}: {variant} trained for {steps} steps")
         return run_dir / "checkpoints" / "last.ckpt"
-    _say(f"training tiny {variant} for {steps} steps into {run_dir}"
+    _say(f"training {family} {variant} for {steps} steps into {run_dir}"
          + (f" (resuming at step {done})" if done else ""))
     argv = [
         "--config", str(config_path),
@@ -255,47 +274,138 @@ def _minutes(seconds: float) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    stamps: dict[str, float] = {}
+    lab = text = None
     try:
-        for name, value, low in (("--steps", args.steps, 1),
+        for name, value, low in (("--steps", args.steps, 1), ("--lab-steps", args.lab_steps, 1),
                                  ("--max-eval-tokens", args.max_eval_tokens, 2),
+                                 ("--lab-eval-tokens", args.lab_eval_tokens, 2),
                                  ("--threads", args.threads, 1)):
             if value is not None and value < low:
                 raise DemoError(f"{name} {value}: must be at least {low}")
         if args.book is not None and not args.book.is_file():
             raise DemoError(f"--book {args.book}: no such file")
+        if args.data is not None and not args.data.is_dir():
+            raise DemoError(f"--data {args.data}: no such folder")
         if args.threads is not None:
             import torch
 
             torch.set_num_threads(args.threads)
-        if args.data is not None and not args.data.is_dir():
-            raise DemoError(f"--data {args.data}: no such folder")
-        data_dir = args.data or (LOCAL_DATA if LOCAL_DATA.is_dir() else None)
-        if data_dir is not None:
-            data = local_data(data_dir, args.book)
-        else:
-            _say(f"no local data at {LOCAL_DATA}: using the Hub datasets of configs/data")
-            config = _config("experiments/tiny-vanilla.yaml")
-            steps = args.steps or config["trainer"]["max_steps"]
-            batch = config["data"]["micro_batch_size"] * config["data"]["seq_len"]
-            data = hub_data(args.output_dir, args.book, int(1.1 * steps * batch) + 100_000)
-        meta = prepare(data)
-        stamps = {"data": time.perf_counter() - start}
-        fit_args = [a for a in args.fit_args if a != "--"]
-        checkpoints = [
-            str(train(variant, args.output_dir / variant, data.packed, meta, args.steps,
-                      fit_args))
-            for variant in VARIANTS
-        ]
-        stamps["training"] = time.perf_counter() - start - sum(stamps.values())
-        report, pythia = evaluate_models(args, data.book, checkpoints)
-        stamps["evaluation"] = time.perf_counter() - start - sum(stamps.values())
+        # The natural-text data is resolved first: a missing corpus is refused before any
+        # training, not after the sink lab.
+        data = text_data(args) if args.only in (None, "text") else None
+        if args.only in (None, "lab"):
+            lab = run_lab(args)
+            stamps["sink lab"] = time.perf_counter() - start
+        if data is not None:
+            text = run_text(args, data, stamps)
     except DemoError as error:
         print(f"sinklm demo: {error}", file=sys.stderr)
         return 2
-    total = time.perf_counter() - start
-    print(f"\n## Streaming perplexity on {data.book.name} (first {args.max_eval_tokens:,} "
-          "tokens; cache x+y = the first x tokens and the y most recent)\n")
+    if lab is not None:
+        print_lab(lab, args)
+    if text is not None:
+        print_text(*text, args)
+    timing = ", ".join(f"{name} {_minutes(seconds)}" for name, seconds in stamps.items())
+    print(f"\ntime: {_minutes(time.perf_counter() - start)} ({timing}) on {os.cpu_count()} CPU "
+          f"cores, load average {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+def run_lab(args: argparse.Namespace) -> Any:
+    """The sink lab: Bigram-Backcopy packed, the three bb models trained, their report."""
+    from sinklm.data import PrepareConfig, prepare_data
+    from sinklm.data.errors import DataError
+    from sinklm.eval.cli import user_errors
+    from sinklm.eval.compare import CompareError, Settings, compare
+
+    config = _config(LAB_DATA)
+    packed = Path(config["output"])
+    _say(f"sink lab: Bigram-Backcopy data into {packed}")
+    try:
+        meta = prepare_data(PrepareConfig.from_dict(config))
+    except DataError as error:
+        raise DemoError(f"sink lab data: {error} (move {packed} aside to rebuild it)") from None
+    checkpoints = [
+        str(train("bb", variant, args.output_dir / "lab" / variant, packed, meta,
+                  args.lab_steps, []))
+        for variant in VARIANTS
+    ]
+    settings = Settings(texts=(), packed=f"{packed}:validation", max_tokens=args.lab_eval_tokens)
+    try:
+        return compare(checkpoints, args.output_dir / "lab" / "report", settings)
+    except (*user_errors(), CompareError) as error:
+        raise DemoError(f"sink lab evaluation: {error}") from None
+
+
+def lab_table(report: Any) -> str:
+    """Per variant: Sink_1^0.3, the non-trigger queries' attention to position 0 (strongest
+    head) and the streaming perplexity per cache, from the report's JSON."""
+    from sinklm.eval.report import format_ppl
+
+    document = json.loads(Path(report.files["json"]).read_text())
+    caches = document["streaming"]["caches"]
+    lines = ["| model | Sink_1^0.3 | attention to position 0, non-trigger queries | "
+             + " | ".join(caches) + " |", "|---|---:|---:|" + "---:|" * len(caches)]
+    for label, results in document["streaming"]["results"].items():
+        sinks = document["sinks"][label]
+        attention = sinks.get("non_trigger_first")
+        cells = [f"{sinks['sink_rate']['1']:.3f}",
+                 "-" if attention is None else f"{attention:.3f}",
+                 *(format_ppl(row["ppl"]) for row in results)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def print_lab(report: Any, args: argparse.Namespace) -> None:
+    print("\n## Sink lab: Bigram-Backcopy (synthetic; Guo et al. 2024, arXiv 2410.13835)\n")
+    print(f"Streaming perplexity on the held-out validation split (first "
+          f"{args.lab_eval_tokens:,} tokens). A synthetic task on which sinks form in seconds; "
+          "what natural text does at scale needs the GPU configs.\n")
+    print(lab_table(report))
+    print()
+    print("\n".join(report.findings))
+    print(f"\nreport: {report.files['markdown']} ({report.provenance()})")
+
+
+def text_data(args: argparse.Namespace) -> DemoData:
+    """The natural-text corpus and book: local data, else the Hub's (refused if unreachable)."""
+    data_dir = args.data or (LOCAL_DATA if LOCAL_DATA.is_dir() else None)
+    if data_dir is not None:
+        return local_data(data_dir, args.book)
+    _say(f"no local data at {LOCAL_DATA}: using the Hub datasets of configs/data")
+    config = _config("experiments/tiny-vanilla.yaml")
+    steps = args.steps or config["trainer"]["max_steps"]
+    batch = config["data"]["micro_batch_size"] * config["data"]["seq_len"]
+    return hub_data(args.output_dir, args.book, int(1.1 * steps * batch) + 100_000)
+
+
+def run_text(args: argparse.Namespace, data: DemoData,
+             stamps: dict[str, float]) -> tuple[DemoData, Any, str]:
+    """The natural-text part: data, the three tiny models, their report and Pythia's."""
+    start = time.perf_counter()
+    meta = prepare(data)
+    stamps["text data"] = time.perf_counter() - start
+    fit_args = [a for a in args.fit_args if a != "--"]
+    checkpoints = [
+        str(train("tiny", variant, args.output_dir / variant, data.packed, meta, args.steps,
+                  fit_args))
+        for variant in VARIANTS
+    ]
+    stamps["text training"] = time.perf_counter() - start - stamps["text data"]
+    report, pythia = evaluate_models(args, data.book, checkpoints)
+    stamps["text evaluation"] = (time.perf_counter() - start - stamps["text data"]
+                                 - stamps["text training"])
+    return data, report, pythia
+
+
+def print_text(data: DemoData, report: Any, pythia: str, args: argparse.Namespace) -> None:
+    print(f"\n## Natural text: streaming perplexity on {data.book.name} (first "
+          f"{args.max_eval_tokens:,} tokens; cache x+y = the first x tokens and the y most "
+          "recent)\n")
     print(report.streaming_table)
+    print()
+    print("\n".join(report.findings))
     print("\n## Attention on the first token (a sink id for sink_token)\n")
     print(report.sinks_table)
     if report.training_sinks_table is not None:
@@ -304,24 +414,20 @@ def run_demo(args: argparse.Namespace) -> int:
         print(report.training_sinks_table)
     print(f"\n## {args.pythia}\n")
     print(pythia)
-    timing = ", ".join(f"{name} {_minutes(seconds)}" for name, seconds in stamps.items())
-    print(f"\nreport: {report.files['markdown']} ({report.provenance()})\n"
-          f"time: {_minutes(total)} ({timing}) on "
-          f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f}")
-    return 0
+    print(f"\nreport: {report.files['markdown']} ({report.provenance()})")
 
 
 def evaluate_models(args: argparse.Namespace, book: Path,
                     checkpoints: list[str]) -> tuple[Any, str]:
     """The tiny models' comparison report, and Pythia's table or why it was skipped."""
     from sinklm.eval.cache import StartRecent
-    from sinklm.eval.cli import USER_ERRORS
+    from sinklm.eval.cli import user_errors
     from sinklm.eval.compare import CompareError, Settings, compare
 
     settings = Settings(texts=(book,), max_tokens=args.max_eval_tokens)
     try:
         report = compare(checkpoints, args.output_dir / "report", settings)
-    except (*USER_ERRORS, CompareError) as error:
+    except (*user_errors(), CompareError) as error:
         raise DemoError(f"evaluation: {error}") from None
     if args.pythia.lower() == "none":
         return report, "skipped (--pythia none)"
@@ -333,7 +439,7 @@ def evaluate_models(args: argparse.Namespace, book: Path,
     try:
         pythia = compare([args.pythia], args.output_dir / "pythia",
                          Settings(texts=(book,), caches=caches, max_tokens=args.max_eval_tokens))
-    except (*USER_ERRORS, CompareError, OSError) as error:  # a download can fail half-way
+    except (*user_errors(), CompareError, OSError) as error:  # a download can fail half-way
         return report, f"skipped: {error}"
     return report, (f"{pythia.streaming_table}\n\nreport: {pythia.files['markdown']} "
                     f"({pythia.provenance()})")

@@ -4,33 +4,54 @@ On top of LightningCLI this adds what a long pretraining run needs before any co
 the global batch is checked against devices x nodes x accumulation, the data's sink count is
 linked to the model's, checkpoints go to a fixed folder (``{default_root_dir}/checkpoints``)
 and ``--ckpt_path auto`` resumes from the newest checkpoint there or from a SLURM hpc
-checkpoint, refusing one written by another model or variant.
+checkpoint. Any checkpoint to resume from, found or named, must hold the configured model,
+sink ids, tokenizer and data. Every refusal is one line and exit code 2.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
+import importlib
+import inspect
+import logging
+import pickle
+import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
 from sinklm.data.errors import DataError
-from sinklm.models.config import VARIANTS, ConfigError, ModelConfig
+from sinklm.models.config import VARIANTS, ConfigError, ModelConfig, variant_name
 
 from .batching import check_global_batch
-from .callbacks import SinkProbe, StepCheckpoint, Throughput
+from .callbacks import SinkProbe, StepCheckpoint, StepProgressBar, Throughput
 from .data_module import SinkLMDataModule
-from .module import CHECKPOINT_KEY, SinkLMModule
+from .fit_cli import DESCRIPTION, USAGE
+from .module import CHECKPOINT_KEY, DATA_KEY, SINK_IDS_KEY, OptimizerConfig, SinkLMModule
+
+# LightningCLI options (removed here) that would replace the recipe's optimizer and schedule.
+LIGHTNING_OPTIMIZER_OPTIONS = ("optimizer", "lr_scheduler")
 
 
-def resolve_sink_tokens(variant: str | None, sink_tokens: int | None) -> int:
-    """The sink count the model will have: explicit, else the variant's, else 0."""
+def resolve_sink_tokens(variant: str | None, sink_tokens: int | None,
+                        overrides: dict[str, Any] | None) -> int:
+    """The sink count the model will have, resolved as SinkLMModule resolves its config:
+    explicit, else ``model_overrides.sink_tokens``, else the variant's, else 0. The data's
+    collator prepends exactly this many, so model and data cannot disagree."""
     if sink_tokens is not None:
         return sink_tokens
+    if overrides and "sink_tokens" in overrides:
+        return int(overrides["sink_tokens"])
     return VARIANTS[variant][1] if variant in VARIANTS else 0
 
 
@@ -56,29 +77,150 @@ def check_strategy(strategy: Strategy) -> None:
         )
 
 
-def check_resume_compatible(path: Path, config: ModelConfig) -> None:
-    """Refuse a checkpoint whose model differs from the configured one."""
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint at ``path``, or a ConfigError saying why it cannot be resumed from."""
+    fix = "point --ckpt_path at a .ckpt written by `sinklm fit`, or use --ckpt_path auto"
     if not path.is_file():
-        raise ConfigError(f"ckpt_path={path}: no such checkpoint file")
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    saved = checkpoint.get(CHECKPOINT_KEY)
-    if saved is None:
-        raise ConfigError(f"ckpt_path={path} was not written by `sinklm fit` (no model config)")
-    current = config.to_dict()
-    # The kernel is not part of the model: resuming an sdpa run with flash is fine.
-    saved["attention"].pop("backend", None)
-    current["attention"].pop("backend", None)
-    diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-    if diff:
-        details = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+        raise ConfigError(f"ckpt_path={path}: no such checkpoint file; {fix}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
         raise ConfigError(
-            f"ckpt_path={path} holds another model ({details}); point --ckpt_path at a "
-            "checkpoint of this model, or change the config to match it"
+            f"ckpt_path={path}: cannot be read as a checkpoint (damaged, cut short, or another "
+            f"kind of file); {fix}"
+        ) from None
+    if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint:
+        raise ConfigError(f"ckpt_path={path} was not written by `sinklm fit` (no model config); "
+                          f"{fix}")
+    return checkpoint
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _short(value: str | None) -> str:
+    return "none" if value is None else value[:12]
+
+
+def resume_differences(checkpoint: dict[str, Any], config: ModelConfig,
+                       data: SinkLMDataModule) -> list[str]:
+    """What differs between a checkpoint and this run, as ``what: checkpoint X vs config Y``."""
+    saved, current = _flatten(checkpoint[CHECKPOINT_KEY]), _flatten(config.to_dict())
+    # The kernel is not part of the model: resuming an sdpa run with flash is fine.
+    differing = [key for key in current if key != "attention.backend"
+                 and saved.get(key) != current[key]]
+    found = []
+    if {"attention.softmax", "sink_tokens"} & set(differing):
+        was = config.replace(attention={"softmax": saved.get("attention.softmax")},
+                             sink_tokens=saved.get("sink_tokens"))
+        found.append(f"variant: checkpoint {variant_name(was)} vs config {variant_name(config)}")
+    found += [f"model {key}: checkpoint {saved.get(key)!r} vs config {current[key]!r}"
+              for key in differing]
+    saved_sinks = checkpoint.get(SINK_IDS_KEY)
+    if saved_sinks is not None and list(saved_sinks) != data.sink_ids:
+        found.append(f"sink ids: checkpoint {list(saved_sinks)} vs data {data.sink_ids}")
+    saved_data = checkpoint.get(DATA_KEY)
+    if saved_data is not None:
+        for key, value in data.identity().items():
+            if saved_data.get(key) != value:
+                what = key.replace("_", " ")
+                found.append(f"{what}: checkpoint {_short(saved_data.get(key))} vs data "
+                             f"{_short(value)}")
+    return found
+
+
+def check_resume_compatible(path: Path, config: ModelConfig,
+                            data: SinkLMDataModule) -> str | None:
+    """Refuse a checkpoint of another model, sink ids, tokenizer or data, in one line naming
+    each difference; return a note when the checkpoint predates recording its data."""
+    checkpoint = read_checkpoint(path)
+    differences = resume_differences(checkpoint, config, data)
+    if differences:
+        raise ConfigError(
+            f"ckpt_path={path} holds another model or data than this config "
+            f"({'; '.join(differences)}); resume it with the config and data it was trained "
+            "with, or give this config its own checkpoint (another --ckpt_path, or a new "
+            "trainer.default_root_dir with --ckpt_path auto)"
         )
+    if DATA_KEY not in checkpoint:
+        return (f"ckpt_path={path} was written before checkpoints recorded their data, so its "
+                "tokenizer and data cannot be checked against this config's; resuming anyway")
+    return None
+
+
+def _class_parameters(class_path: str) -> list[str]:
+    """The keyword names a ``class_path`` accepts, for "did you mean" (none if not importable)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+        if dataclasses.is_dataclass(target):
+            return [field.name for field in dataclasses.fields(target)]
+        return list(inspect.signature(target).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+
+
+def _closest(word: str, choices: list[str]) -> str | None:
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _unknown_key(key: str, known: list[str]) -> str:
+    """``key`` named where it first leaves the known settings, with the closest known one."""
+    parts = key.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        level = sorted({".".join(k.split(".")[:depth]) for k in known
+                        if k.split(".")[: depth - 1] == parts[: depth - 1]})
+        if prefix not in level:
+            break
+    if prefix in LIGHTNING_OPTIMIZER_OPTIONS:
+        return (f"{prefix}: not a setting of sinklm fit; the recipe's AdamW and warmup + cosine "
+                "schedule are set under model.optimizer (e.g. --model.optimizer.lr 3e-4)")
+    guess = _closest(prefix, level)
+    hint = f"did you mean {guess}? " if guess else ""
+    return f"{prefix}: no such setting; {hint}(`sinklm fit --help` lists every setting)"
+
+
+def argument_error_line(message: str, known: list[str]) -> str:
+    """jsonargparse's (often multi-line) parse error as one line, with a "did you mean"."""
+    patterns = (r"does not accept option '([^']+)'", r"unrecognized arguments: --?([^\s=]+)")
+    for pattern in patterns:
+        if match := re.search(pattern, message):
+            return _unknown_key(match.group(1), known)
+    key = re.search(r'Parser key "([^"]+)"', message)
+    option = re.search(r"class_path '([^']+)':\s+Option '([^']+)' is not accepted", message)
+    if key and option:
+        choices = _class_parameters(option.group(1))
+        guess = _closest(option.group(2), choices)
+        hint = f"did you mean {key.group(1)}.{guess}? " if guess else ""
+        return (f"{key.group(1)}.{option.group(2)}: no such setting of {option.group(1)}; "
+                f"{hint}(`sinklm fit --help` lists every setting)")
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    return re.sub(r'^Parser key "([^"]+)":', r"\1:", line)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, keeping the description's line breaks (its examples)."""
 
 
 class SinkLMCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser: Any) -> None:
+    """LightningCLI with sinklm's callbacks, links and checks, refusing before any compute."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Only fit (evaluation has its own commands), so its parser is the one built."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self.fit_parser = parser  # its keys are the candidates for "did you mean"
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.save_last": True,
@@ -90,7 +232,7 @@ class SinkLMCLI(LightningCLI):
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(SinkProbe, "sink_probe")
         parser.link_arguments(
-            ("model.variant", "model.sink_tokens"), "data.sink_tokens",
+            ("model.variant", "model.sink_tokens", "model.model_overrides"), "data.sink_tokens",
             compute_fn=resolve_sink_tokens,
         )
         parser.link_arguments(
@@ -99,6 +241,41 @@ class SinkLMCLI(LightningCLI):
                 preset, **(overrides or {})
             ).vocab_size,
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, turning jsonargparse's error (usage dump and all) into one ConfigError line."""
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as error:
+            known = [*self.fit_parser.get_defaults().keys(),
+                     *(f"model.optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig))]
+            raise ConfigError(argument_error_line(str(error), known)) from None
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the config as given. LightningCLI would replace the model section with the
+        checkpoint's hyperparameters, so a zero_sink config resumed from a sink_token checkpoint
+        silently trained sink_token; ``before_fit`` checks the checkpoint against the config."""
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse a max_steps the schedule cannot use before the Trainer, which would end a
+        negative one in a traceback, is built."""
+        max_steps = self.config[self.subcommand]["trainer"]["max_steps"]
+        if max_steps is None or max_steps < 1:
+            raise ConfigError(
+                f"trainer.max_steps={max_steps}: must be a positive number of optimizer steps "
+                "(the warmup + cosine schedule is defined over it), e.g. --trainer.max_steps 1000"
+            )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with our progress bar unless the config disables or chooses one."""
+        settings = self.config_init[self.subcommand]["trainer"]
+        callbacks = settings.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if settings.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
         trainer, model, data = self.trainer, self.model, self.datamodule
@@ -114,6 +291,11 @@ class SinkLMCLI(LightningCLI):
                 f"{model.config.max_seq_len}; lower data.seq_len or set "
                 "model.model_overrides.max_seq_len"
             )
+        if data.sink_tokens != model.config.sink_tokens:  # the link above makes them agree
+            raise ConfigError(
+                f"the model has sink_tokens={model.config.sink_tokens} but the data prepends "
+                f"{data.sink_tokens} sink ids; set the count once, with model.sink_tokens"
+            )
         data.check_vocabulary(model.config.vocab_size)
         root = Path(trainer.default_root_dir)
         checkpoint = trainer.checkpoint_callback
@@ -126,17 +308,46 @@ class SinkLMCLI(LightningCLI):
             print(f"sinklm fit: resuming from {found}" if found else
                   "sinklm fit: no checkpoint yet, starting from scratch", file=sys.stderr)
         if config.get("ckpt_path"):
-            check_resume_compatible(Path(config["ckpt_path"]), model.config)
+            note = check_resume_compatible(Path(config["ckpt_path"]), model.config, data)
+            if note:
+                print(f"sinklm fit: {note}", file=sys.stderr)
+        if trainer.is_global_zero:  # instead of Lightning's summary, whose FLOPs read 0
+            parameters = sum(p.numel() for p in model.parameters())
+            print(f"sinklm fit: {model.hparams.preset} {variant_name(model.config)}, "
+                  f"{parameters:,} parameters", file=sys.stderr)
+
+
+class _NoAdverts(logging.Filter):
+    """Drop Lightning's "💡 Tip: try installing litlogger/litmodels" lines: adverts, not news
+    about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+_NO_ADVERTS = _NoAdverts()
 
 
 def run_fit(argv: list[str]) -> int:
     # We hand LightningCLI our argv on purpose (`sinklm fit ...` is not its own script).
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    # Lightning's own call into torch's pytree API; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NO_ADVERTS)
+    # Errors raise (one line below) instead of printing the whole usage; no abbreviations, so
+    # a typo'd --trainer.max_step is refused instead of silently meaning max_steps. The fit
+    # parser takes these from the main one.
+    main = {"exit_on_error": False, "allow_abbrev": False, "formatter_class": _HelpFormatter}
     try:
         SinkLMCLI(
             SinkLMModule, SinkLMDataModule, args=["fit", *argv],
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"fit": {"default_env": False}},
+            trainer_defaults={"enable_model_summary": False},
+            # The recipe's optimizer and schedule are model.optimizer; LightningCLI's
+            # --optimizer/--lr_scheduler would silently replace them.
+            auto_configure_optimizers=False,
+            parser_kwargs={**main, "fit": {"default_env": False, "usage": USAGE,
+                                           "description": DESCRIPTION}},
         )
     except (ConfigError, DataError) as error:
         print(f"sinklm fit: {error}", file=sys.stderr)

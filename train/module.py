@@ -7,7 +7,9 @@ by poisoned ones.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +28,9 @@ CHECKPOINT_KEY = "sinklm_model_config"
 # Where it records the tokenizer (with its sink tokens) and the sink ids, for evaluation.
 TOKENIZER_KEY = "sinklm_tokenizer"
 SINK_IDS_KEY = "sinklm_sink_token_ids"
+# Where it records its data (tokenizer hash, source fingerprint), so a resume on other data is
+# refused; checkpoints written before this key existed lack it.
+DATA_KEY = "sinklm_data"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -42,6 +47,24 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     warmup_fraction: float = 0.01  # of trainer.max_steps, linear from 0
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of lr
+
+
+def optimizer_settings(optimizer: OptimizerConfig | dict[str, Any] | None) -> dict[str, Any]:
+    """``model.optimizer`` as comparable values (None is the defaults, as the module uses)."""
+    if optimizer is None:
+        optimizer = OptimizerConfig()
+    if dataclasses.is_dataclass(optimizer):
+        optimizer = dataclasses.asdict(optimizer)
+    defaults = dataclasses.asdict(OptimizerConfig())
+    settings = {name: optimizer.get(name, default) for name, default in defaults.items()}
+    settings["betas"] = tuple(float(beta) for beta in settings["betas"])
+    return {name: value if name == "betas" else float(value) for name, value in settings.items()}
+
+
+def optimizer_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Each setting that differs, as ``name old -> new``."""
+    return [f"{name} {saved[name]} -> {value}" for name, value in current.items()
+            if saved.get(name) != value]
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_fraction: float, min_ratio: float) -> float:
@@ -109,6 +132,11 @@ class SinkLMModule(L.LightningModule):
         self.model = CausalLM(self.config)
         self.compile_model = compile
         self.skipped_batches = 0
+        self._step_losses: list[Tensor] = []  # this optimizer step's micro-batch losses
+        # Set when a checkpoint is loaded: the model.optimizer it was trained with (None when
+        # it does not say), so a resume applies this run's settings and names the changes.
+        self._resumed = False
+        self._saved_optimizer: dict[str, Any] | None = None
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # FullyShardedStrategy: FSDP2 over its mesh
@@ -125,10 +153,12 @@ class SinkLMModule(L.LightningModule):
             logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100
         )
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        if not self._all_finite(loss.detach()):
-            return self._handle_nonfinite(f"loss is {loss.item()} at step {self.global_step}")
+        # Checked with the gradients before the optimizer step (one host sync per step, and no
+        # None return, which Lightning refuses under DDP and which would still apply the
+        # earlier micro-batches' gradients under accumulation).
+        self._step_losses.append(loss.detach())
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=False)
         return loss
@@ -137,16 +167,27 @@ class SinkLMModule(L.LightningModule):
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:  # the batch was skipped (on_nonfinite=skip): nothing to check
-            return
-        norm = total_norm(grads)
-        if not self._all_finite(norm):
+        """Check the step's losses and gradient norm together: one host sync, all ranks agree.
+
+        Runs after backward, before clipping and the update. ``skip`` drops every gradient
+        (None, not zero): AdamW passes over parameters without one, so weights and optimizer
+        state (moments, step counts) stay bit-identical, where zeroed gradients would still
+        decay the moments, move the weights by momentum and apply weight decay. Lightning
+        still counts the step and advances the LR schedule: a skipped batch uses up one of
+        ``trainer.max_steps`` and one schedule step, so ``global_step`` and the schedule stay
+        in step (also across a resume), and the run ends at the planned final lr.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = total_norm([p.grad for p in params])
+        losses, self._step_losses = self._step_losses, []
+        if not self._all_finite(torch.stack([norm.float(), *(x.float() for x in losses)])):
             if self.on_nonfinite == "stop":
-                raise NonFiniteLossError(self._nonfinite_message(f"gradient norm is {norm}"))
-            for grad in grads:  # skip: no gradient this step (AdamW moments still decay)
-                grad.zero_()
+                what = self._nonfinite_what(norm, losses)
+                raise NonFiniteLossError(self._nonfinite_message(what))
+            for param in params:
+                param.grad = None
             self.skipped_batches += 1
+            self.log("train/skipped_batches", float(self.skipped_batches))
         self.log("train/grad_norm", norm)
 
     def _all_finite(self, value: Tensor) -> bool:
@@ -162,12 +203,16 @@ class SinkLMModule(L.LightningModule):
             "model.on_nonfinite=skip to drop such batches."
         )
 
-    def _handle_nonfinite(self, what: str) -> None:
-        if self.on_nonfinite == "stop":
-            raise NonFiniteLossError(self._nonfinite_message(what))
-        self.skipped_batches += 1
-        self.log("train/skipped_batches", float(self.skipped_batches))
-        return None
+    def _nonfinite_what(self, norm: Tensor, losses: list[Tensor]) -> str:
+        """What was not finite, for the message (only on this path do values reach the host)."""
+        bad_loss = next((v for v in (x.item() for x in losses) if not math.isfinite(v)), None)
+        if bad_loss is not None:
+            what = f"loss is {bad_loss}"
+        elif not math.isfinite(norm.item()):
+            what = f"gradient norm is {norm.item()}"
+        else:
+            what = "the loss or gradients are not finite on another rank"
+        return f"{what} at step {self.global_step}"
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = self.config.to_dict()
@@ -175,6 +220,46 @@ class SinkLMModule(L.LightningModule):
         if getattr(data, "tokenizer", None) is not None:
             checkpoint[TOKENIZER_KEY] = data.tokenizer.to_str()
             checkpoint[SINK_IDS_KEY] = list(data.sink_ids)
+            checkpoint[DATA_KEY] = data.identity()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Note what the checkpoint was trained with; ``on_train_start`` applies this run's."""
+        self._resumed = True
+        saved = checkpoint.get("hyper_parameters")
+        self._saved_optimizer = (optimizer_settings(saved.get("optimizer"))
+                                 if isinstance(saved, dict) else None)
+
+    def on_train_start(self) -> None:
+        """On a resume, the configured ``model.optimizer`` wins over the checkpoint's.
+
+        Lightning restores the optimizer's param groups (lr, betas, eps, weight decay) and the
+        scheduler's ``base_lrs`` from the checkpoint (with every strategy, FSDP2 included, this
+        is done by now), so a changed ``--model.optimizer.lr`` would be silently ignored. Here
+        they are set from the config; the Adam moments and step counts, and the schedule's
+        step, stay restored. The schedule's lambda is not saved in checkpoints: it is this
+        run's (warmup_fraction, min_lr_ratio, trainer.max_steps), so the current lr is
+        recomputed from it too. Any change is named in one line.
+        """
+        if not self._resumed:
+            return
+        self._resumed = False
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        # parameter_groups' order: decayed, then not decayed (always 0).
+        decays = (self.optim.weight_decay, 0.0)
+        for group, decay in zip(optimizer.param_groups, decays, strict=True):
+            group.update(betas=tuple(self.optim.betas), eps=self.optim.eps, weight_decay=decay,
+                         initial_lr=self.optim.lr)
+        scheduler.base_lrs = [self.optim.lr] * len(optimizer.param_groups)
+        for group, lmbda, base_lr in zip(optimizer.param_groups, scheduler.lr_lambdas,
+                                         scheduler.base_lrs, strict=True):
+            group["lr"] = base_lr * lmbda(scheduler.last_epoch)  # as LambdaLR.get_lr
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        changes = (optimizer_changes(self._saved_optimizer, optimizer_settings(self.optim))
+                   if self._saved_optimizer is not None else [])
+        if changes and self.trainer.is_global_zero:
+            print(f"sinklm fit: resuming with changed optimizer settings: {', '.join(changes)}",
+                  file=sys.stderr)
 
     def configure_optimizers(self) -> dict[str, Any]:
         total = self.trainer.max_steps

@@ -1,0 +1,18 @@
+"""Option values the evaluation commands share, importable without torch.
+
+Argument parsers are built for every ``sinklm`` call, ``--help`` included; they import this,
+not the torch-based modules, so help and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+# Weight precisions a checkpoint can be loaded in (``eval.checkpoint.DTYPES`` maps them to torch).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DEVICE_HELP = "torch device (default: cuda when available, else cpu)"
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu`` (imports torch: call it when running)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
