@@ -51,8 +51,8 @@ class KVCache:
 class RotaryEmbedding(nn.Module):
     """GPT-NeoX rotate-half rotary on the first ``rotary_dims`` dims of each head.
 
-    Holds no buffer: the frequencies are recomputed in fp32 on each call (a few elements), so
-    ``model.to(torch.bfloat16)`` cannot round them (bf16 frequencies put the angle ~0.4 rad
+    Holds no buffer: the frequencies are kept in fp32 per device outside the module's state,
+    so ``model.to(torch.bfloat16)`` cannot round them (bf16 frequencies put the angle ~0.4 rad
     off at position 4000). Angles are fp32, or float64 in a float64 model; only cos and sin
     take the activations' dtype.
     """
@@ -61,11 +61,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dims = rotary_dims
         self.base = base
+        # Per device, computed once: one-token decoding calls cos_sin twice per token.
+        self._inv_freq: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:
         """base^(-2i / rotary_dims) for i < rotary_dims / 2, in fp32 (as GPT-NeoX computes it)."""
-        exponents = torch.arange(0, self.rotary_dims, 2, dtype=torch.float32, device=device)
-        return 1.0 / (self.base ** (exponents / self.rotary_dims))
+        if device not in self._inv_freq:
+            exponents = torch.arange(0, self.rotary_dims, 2, dtype=torch.float32, device=device)
+            self._inv_freq[device] = 1.0 / (self.base ** (exponents / self.rotary_dims))
+        return self._inv_freq[device]
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin for ``positions`` [B, T], shaped [B, 1, T, rotary_dims], in ``dtype``
