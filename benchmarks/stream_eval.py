@@ -127,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelConfig.from_preset(args.preset, variant=args.variant)
     model = CausalLM(config).to(args.device).eval()
     policy = parse_cache(args.cache)
-    sinks = config.sink_tokens
+    n_sink_ids = config.sink_tokens
     generator = torch.Generator().manual_seed(args.seed + 1)
-    text = torch.randint(0, config.vocab_size - sinks, (args.tokens,), generator=generator)
-    sink_ids = torch.arange(config.vocab_size - sinks, config.vocab_size)
+    text = torch.randint(0, config.vocab_size - n_sink_ids, (args.tokens,), generator=generator)
+    sink_ids = torch.arange(config.vocab_size - n_sink_ids, config.vocab_size)
     ids = torch.cat([sink_ids, text]).to(args.device)
 
     def run_fast() -> tuple[torch.Tensor, Timing]:
-        return timed(lambda: fast_losses(model, ids, policy, sinks, args.chunk_size), args.device)
+        return timed(lambda: fast_losses(model, ids, policy, n_sink_ids, args.chunk_size),
+                     args.device)
 
     # Rounds of fast runs on both sides of one reference run: a load that changes meanwhile
     # shows in both, and each round gives its own speed-up (the median one is reported).
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.fast_only:
             torch.set_num_threads(args.reference_threads or threads)
             reference, reference_time = timed(
-                lambda: reference_losses(model, ids[: sinks + prefix], policy, sinks), args.device
+                lambda: reference_losses(model, ids[: n_sink_ids + prefix], policy, n_sink_ids),
+                args.device,
             )
             torch.set_num_threads(threads)
             references.append(reference_time)

@@ -10,7 +10,7 @@ the evaluators (``streaming.py``) implement it. Notation as StreamingLLM's:
 - ``dense`` (:class:`Dense`): keep everything at true positions.
 - ``recompute:L[:S]`` (:class:`Recompute`): sliding window with recomputation. Each token is
   re-encoded from position 0 with the L-1 tokens before it (a window of L tokens; for a
-  sink-token model each window starts with the sink ids, then the L - sinks most recent tokens)
+  sink-token model each window starts with the k sink ids, then the L - k most recent tokens)
   and its last position predicts the next token. ``S`` (stride, default 1) is the usual faster
   approximation: one window every S tokens scores its last S queries, so a query's context is
   between L-S and L-1 tokens.
@@ -33,18 +33,18 @@ class CacheSpecError(ValueError):
 
 @dataclass(frozen=True)
 class StartRecent:
-    """Keep the first ``sinks`` tokens and the ``recent`` most recent ones (``x+y``)."""
+    """Keep the ``start`` first tokens and the ``recent`` most recent ones (``x+y``)."""
 
-    sinks: int
+    start: int
     recent: int
 
     @property
     def label(self) -> str:
-        return f"{self.sinks}+{self.recent}"
+        return f"{self.start}+{self.recent}"
 
     @property
     def size(self) -> int:
-        return self.sinks + self.recent
+        return self.start + self.recent
 
     def max_position(self, stream_len: int) -> int:
         """The largest position a query reaches on a stream of ``stream_len`` tokens."""
@@ -54,8 +54,8 @@ class StartRecent:
         """Indices of the cache entries to keep before the next token, or None to keep all."""
         if cache_len <= self.size:
             return None
-        start = torch.arange(self.sinks)
-        return torch.cat([start, torch.arange(cache_len - self.recent, cache_len)])
+        first = torch.arange(self.start)
+        return torch.cat([first, torch.arange(cache_len - self.recent, cache_len)])
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,12 @@ def parse_cache(spec: str) -> CachePolicy:
     if text == "dense":
         return Dense()
     if match := _START_RECENT.fullmatch(text):
-        sinks, recent = int(match[1]), int(match[2])
-        if sinks < 0 or recent < 0:
+        start, recent = int(match[1]), int(match[2])
+        if start < 0 or recent < 0:
             raise CacheSpecError(f"cache {spec!r}: sizes must be >= 0 (expected {SPEC_HELP})")
-        if sinks + recent == 0:
+        if start + recent == 0:
             raise CacheSpecError(f"cache {spec!r} keeps no token: X+Y must be at least 1")
-        return StartRecent(sinks, recent)
+        return StartRecent(start, recent)
     if match := _RECOMPUTE.fullmatch(text):
         window = int(match[1])
         stride = int(match[2]) if match[2] is not None else 1
@@ -133,15 +133,15 @@ def paper_caches(size: int) -> list[CachePolicy]:
 
 
 def check_policies(
-    policies: list[CachePolicy], longest: int, max_seq_len: int, sinks: int
+    policies: list[CachePolicy], longest: int, max_seq_len: int, n_sink_ids: int
 ) -> list[str]:
     """Refuse a recompute window that cannot hold the sink ids; return warnings for caches
     whose queries reach positions the model was not trained on."""
     warnings = []
     for policy in policies:
-        if isinstance(policy, Recompute) and policy.window <= sinks:
+        if isinstance(policy, Recompute) and policy.window <= n_sink_ids:
             raise CacheSpecError(
-                f"cache {policy.label}: the window must be longer than the {sinks} sink ids"
+                f"cache {policy.label}: the window must be longer than the {n_sink_ids} sink ids"
             )
         top = policy.max_position(longest)
         if top >= max_seq_len:

@@ -194,7 +194,7 @@ def run_stream_eval(args: argparse.Namespace) -> int:
                 _warn(command, f"cache {result.policy.label}: {note}")
 
         results = evaluate(checkpoint.model, [s.ids.to(args.device) for s in streams], policies,
-                           sinks=len(sink_ids), reference=args.reference,
+                           n_sink_ids=len(sink_ids), reference=args.reference,
                            chunk_size=chunk_size, on_result=report, progress=True)
     except (*user_errors(), UsageError) as error:
         return _fail(command, str(error))

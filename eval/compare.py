@@ -288,7 +288,7 @@ class ModelResults:
         self.folder.mkdir(parents=True, exist_ok=True)
         device = self.settings.device
         evaluate(checkpoint.model, [s.ids.to(device) for s in streams], list(policies),
-                 sinks=len(sink_ids), on_result=store)
+                 n_sink_ids=len(sink_ids), on_result=store)
 
     # --- sinks -------------------------------------------------------------------------------
 
@@ -467,7 +467,7 @@ def first_token_findings(streams: dict[str, list[CacheResult]],
     (0+W against 1+(W-1) and 4+(W-4)), and a note when dense runs past the trained context."""
     findings = []
     for label, results in streams.items():
-        by_start = {(r.policy.sinks, r.policy.size): r.ppl for r in results
+        by_start = {(r.policy.start, r.policy.size): r.ppl for r in results
                     if isinstance(r.policy, StartRecent)}
         for (start, size), window in sorted(by_start.items()):
             one, four = by_start.get((1, size)), by_start.get((4, size))

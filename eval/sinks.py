@@ -48,14 +48,14 @@ def token_class(text: str) -> str:
     return "other"
 
 
-def classify_positions(tokenizer: Tokenizer, ids: Tensor, sinks: int) -> Tensor:
+def classify_positions(tokenizer: Tokenizer, ids: Tensor, n_sink_ids: int) -> Tensor:
     """Class index (into TOKEN_CLASSES) of each position of a window starting with sink ids."""
     decoded: dict[int, int] = {}
     classes = []
     for position, token in enumerate(ids.tolist()):
         if position == 0:
             classes.append(TOKEN_CLASSES.index("first"))
-        elif position < sinks:
+        elif position < n_sink_ids:
             classes.append(TOKEN_CLASSES.index("sink_ids"))
         else:
             if token not in decoded:

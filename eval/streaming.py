@@ -3,7 +3,7 @@ batched evaluator that computes the same per-token losses.
 
 A stream is a 1-D tensor of token ids: the model's sink ids, then the text. Query ``t`` predicts
 token ``t + 1``; the scored targets are the text tokens from the second one on (stream indices
-``sinks + 1 ..``), the same set for every variant and cache, so numbers compare.
+``n_sink_ids + 1 ..``), the same set for every variant and cache, so numbers compare.
 
 Why the fast path is exact. Under ``x+y`` with position shift, the query at stream index ``j``
 sits at position ``P_j = min(j, x + y)``; the first x tokens sit at positions 0..x-1 and each
@@ -95,21 +95,23 @@ def _no_progress(tokens: int) -> None:
     """A progress callback that shows nothing."""
 
 
-def _output(ids: Tensor, sinks: int) -> Tensor:
+def _output(ids: Tensor, n_sink_ids: int) -> Tensor:
     """The per-token loss buffer of a stream, allocated once: many small tensors kept across
     chunks would pin the freed logits' memory (allocator fragmentation) and RSS would grow."""
-    return torch.empty(len(ids) - sinks - 1, device=ids.device)
+    return torch.empty(len(ids) - n_sink_ids - 1, device=ids.device)
 
 
 class StreamError(ValueError):
     """A stream the model cannot be evaluated on; the message says why."""
 
 
-def _check_stream(model: CausalLM, ids: Tensor, sinks: int) -> None:
+def _check_stream(model: CausalLM, ids: Tensor, n_sink_ids: int) -> None:
     if ids.dim() != 1:
         raise StreamError(f"a stream is a 1-D tensor of token ids, got shape {tuple(ids.shape)}")
-    if len(ids) < sinks + 2:
-        raise StreamError(f"a stream needs at least two text tokens after its {sinks} sink ids")
+    if len(ids) < n_sink_ids + 2:
+        raise StreamError(
+            f"a stream needs at least two text tokens after its {n_sink_ids} sink ids"
+        )
     top = int(ids.max())
     if top >= model.config.vocab_size:
         raise StreamError(
@@ -122,22 +124,22 @@ def _check_stream(model: CausalLM, ids: Tensor, sinks: int) -> None:
 
 
 @torch.inference_mode()
-def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: int = 0,
+def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, n_sink_ids: int = 0,
                      progress: Progress | None = None) -> Tensor:
-    """Per-token losses [len(ids) - sinks - 1], one model call per token: the definition itself.
+    """Per-token losses [len(ids) - n_sink_ids - 1], one model call per token: the definition.
 
     ``x+y`` and ``dense`` decode with the model's ``KVCache``: before each token the policy's
     evictions, then cached positions re-assigned to 0..len-1 (dense keeps true positions, which
     are the same numbers) and the token at the next position. ``recompute`` re-encodes each
     token's window from position 0. ``progress`` is told of each scored token.
     """
-    _check_stream(model, ids, sinks)
+    _check_stream(model, ids, n_sink_ids)
     ids = ids.to(_device(model))
     progress = progress or _no_progress
     if isinstance(policy, Recompute):
-        return _recompute_reference(model, ids, policy, sinks, progress)
+        return _recompute_reference(model, ids, policy, n_sink_ids, progress)
     cache = KVCache(model.config.n_layer)
-    losses = _output(ids, sinks)
+    losses = _output(ids, n_sink_ids)
     for t in range(len(ids) - 1):
         if isinstance(policy, StartRecent):
             index = policy.keep_index(len(cache))
@@ -146,17 +148,17 @@ def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, sinks: i
             cache.positions = torch.arange(len(cache), device=ids.device).unsqueeze(0)
         position = torch.tensor([[len(cache)]], device=ids.device)
         logits = model(ids[t : t + 1].unsqueeze(0), position_ids=position, cache=cache)
-        if t >= sinks:
-            losses[t - sinks] = _token_losses(logits[0, -1:], ids[t + 1 : t + 2])[0]
+        if t >= n_sink_ids:
+            losses[t - n_sink_ids] = _token_losses(logits[0, -1:], ids[t + 1 : t + 2])[0]
             progress(1)
     return losses.cpu()
 
 
-def _window_ids(ids: Tensor, end: int, window: int, sinks: int) -> Tensor:
+def _window_ids(ids: Tensor, end: int, window: int, n_sink_ids: int) -> Tensor:
     """The recompute window whose last token is ``end``: sink ids, then the most recent tokens."""
     if end < window:
         return ids[: end + 1]
-    return torch.cat([ids[:sinks], ids[end - (window - sinks) + 1 : end + 1]])
+    return torch.cat([ids[:n_sink_ids], ids[end - (window - n_sink_ids) + 1 : end + 1]])
 
 
 def _window_ends(n: int, policy: Recompute) -> list[int]:
@@ -172,28 +174,28 @@ def _scored_queries(end: int, previous_end: int, policy: Recompute) -> range:
     return range(end, end + 1) if policy.stride == 1 else range(previous_end + 1, end + 1)
 
 
-def _recompute_check(policy: Recompute, sinks: int) -> None:
-    if policy.window <= sinks:
+def _recompute_check(policy: Recompute, n_sink_ids: int) -> None:
+    if policy.window <= n_sink_ids:
         raise StreamError(
-            f"cache {policy.label}: the window must hold the {sinks} sink ids and a text token"
+            f"cache {policy.label}: the window must hold the {n_sink_ids} sink ids and a text token"
         )
 
 
 @torch.inference_mode()
-def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int,
+def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, n_sink_ids: int,
                          progress: Progress) -> Tensor:
-    _recompute_check(policy, sinks)
-    losses = _output(ids, sinks)
+    _recompute_check(policy, n_sink_ids)
+    losses = _output(ids, n_sink_ids)
     previous = -1
     for end in _window_ends(len(ids), policy):
-        if end < sinks:  # stride 1 only: a query on a sink id predicts nothing scored
+        if end < n_sink_ids:  # stride 1 only: a query on a sink id predicts nothing scored
             continue
-        window = _window_ids(ids, end, policy.window, sinks)
+        window = _window_ids(ids, end, policy.window, n_sink_ids)
         logits = model(window.unsqueeze(0))[0]
         for t in _scored_queries(end, previous, policy):
-            if t >= sinks:
+            if t >= n_sink_ids:
                 row = len(window) - 1 - (end - t)
-                losses[t - sinks] = _token_losses(logits[row : row + 1], ids[t + 1 : t + 2])[0]
+                losses[t - n_sink_ids] = _token_losses(logits[row : row + 1], ids[t + 1 : t + 2])[0]
                 progress(1)
         previous = end
     return losses.cpu()
@@ -245,7 +247,7 @@ class ChunkGeometry:
         cls, rotary: RotaryEmbedding, policy: StartRecent, start: int, size: int, block: int,
         sink_key: bool, dtype: torch.dtype, device: torch.device,
     ) -> ChunkGeometry:
-        x, y = policy.sinks, policy.recent
+        x, y = policy.start, policy.recent
         blocks = -(-size // block)
         padded = blocks * block
         query = torch.arange(start, start + padded, device=device).view(blocks, block, 1)
@@ -347,7 +349,7 @@ class StartRecentState:
         self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, *, layer: LayerCache,
         geometry: ChunkGeometry,
     ) -> Tensor:
-        x, y = self.policy.sinks, self.policy.recent
+        x, y = self.policy.start, self.policy.recent
         a, c = self.next_index, x_in.shape[0]
         h, d, r = attn.n_head, attn.head_dim, rotary.rotary_dims
         blocks, block = geometry.blocks, geometry.block
@@ -439,7 +441,7 @@ def fast_losses(
     model: CausalLM,
     ids: Tensor,
     policy: CachePolicy,
-    sinks: int = 0,
+    n_sink_ids: int = 0,
     chunk_size: int = DEFAULT_CHUNK,
     progress: Progress | None = None,
 ) -> Tensor:
@@ -450,30 +452,30 @@ def fast_losses(
     many windows per batch, the first (shared prefix) window once. ``progress`` is told how
     many tokens each step scored.
     """
-    _check_stream(model, ids, sinks)
+    _check_stream(model, ids, n_sink_ids)
     if chunk_size < 1:
         raise StreamError(f"chunk_size={chunk_size}: must be >= 1")
     ids = ids.to(_device(model))
     progress = progress or _no_progress
     if isinstance(policy, Recompute):
-        return _recompute_fast(model, ids, policy, sinks, progress)
+        return _recompute_fast(model, ids, policy, n_sink_ids, progress)
     n = len(ids)
     state = StartRecentState.empty(model, policy) if isinstance(policy, StartRecent) else None
     head = VocabHead(model, chunk_size)
     cache = KVCache(model.config.n_layer)
-    losses = _output(ids, sinks)
+    losses = _output(ids, n_sink_ids)
     for a in range(0, n - 1, chunk_size):
         b = min(a + chunk_size, n - 1)
-        first = max(a, sinks)  # the first scored query of this chunk, if first < b
+        first = max(a, n_sink_ids)  # the first scored query of this chunk, if first < b
         if state is not None:
             hidden = state.feed(model, ids[a:b])
             if first < b:
                 head.losses(hidden[first - a :], ids[first + 1 : b + 1],
-                            losses[first - sinks : b - sinks])
+                            losses[first - n_sink_ids : b - n_sink_ids])
         else:
             logits = model(ids[a:b].unsqueeze(0), cache=cache)[0]
             if first < b:
-                losses[first - sinks : b - sinks] = _token_losses(
+                losses[first - n_sink_ids : b - n_sink_ids] = _token_losses(
                     logits[first - a :], ids[first + 1 : b + 1]
                 )
         progress(max(0, b - first))
@@ -493,27 +495,27 @@ def _hidden(model: CausalLM, batch: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int,
+def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, n_sink_ids: int,
                     progress: Progress) -> Tensor:
     """Queries inside the first window share one causal pass; later windows go in batches."""
-    _recompute_check(policy, sinks)
+    _recompute_check(policy, n_sink_ids)
     n, window = len(ids), policy.window
     ends = _window_ends(n, policy)
     first_end = min(window - 1, n - 2)
     hidden = _hidden(model, ids[: first_end + 1].unsqueeze(0))[0]
-    losses = _output(ids, sinks)
+    losses = _output(ids, n_sink_ids)
     head = VocabHead(model, HEAD_ROWS)
-    head.losses(hidden[sinks:], ids[sinks + 1 : first_end + 2],
-                losses[: first_end + 1 - sinks])
-    progress(first_end + 1 - sinks)
+    head.losses(hidden[n_sink_ids:], ids[n_sink_ids + 1 : first_end + 2],
+                losses[: first_end + 1 - n_sink_ids])
+    progress(first_end + 1 - n_sink_ids)
     later = [end for end in ends if end > first_end]
     per_batch = max(1, RECOMPUTE_BATCH_TOKENS // window)
-    offsets = torch.arange(window - sinks, device=ids.device)
-    sink_part = torch.arange(sinks, device=ids.device)
+    offsets = torch.arange(window - n_sink_ids, device=ids.device)
+    sink_part = torch.arange(n_sink_ids, device=ids.device)
     previous = first_end
     for i in range(0, len(later), per_batch):
         batch_ends = torch.tensor(later[i : i + per_batch], device=ids.device)
-        recent = batch_ends[:, None] - (window - sinks) + 1 + offsets[None]
+        recent = batch_ends[:, None] - (window - n_sink_ids) + 1 + offsets[None]
         index = torch.cat([sink_part.expand(len(batch_ends), -1), recent], dim=1)
         hidden = _hidden(model, ids[index])
         start, rows = previous + 1, []  # this batch scores queries start..its last end
@@ -521,7 +523,7 @@ def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, sinks: int,
             rows.append(hidden[b, window - len(_scored_queries(end, previous, policy)) :])
             previous = end
         head.losses(torch.cat(rows), ids[start + 1 : previous + 2],
-                    losses[start - sinks : previous + 1 - sinks])
+                    losses[start - n_sink_ids : previous + 1 - n_sink_ids])
         progress(previous + 1 - start)
     return losses.cpu()
 
@@ -559,7 +561,7 @@ class CacheResult:
         policy = self.policy
         row: dict[str, object] = {
             "cache": policy.label,
-            "sinks": policy.sinks if isinstance(policy, StartRecent) else None,
+            "start": policy.start if isinstance(policy, StartRecent) else None,
             "recent": policy.recent if isinstance(policy, StartRecent) else None,
             "ppl": self.ppl,
             "nll": self.nll,
@@ -579,25 +581,25 @@ def evaluate(
     model: CausalLM,
     streams: list[Tensor],
     policies: list[CachePolicy],
-    sinks: int = 0,
+    n_sink_ids: int = 0,
     reference: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     on_result: Callable[[CacheResult], None] | None = None,
     progress: bool = False,
 ) -> list[CacheResult]:
-    """Every policy on every stream (each stream starts with ``sinks`` sink ids); with
+    """Every policy on every stream (each stream starts with ``n_sink_ids`` sink ids); with
     ``progress``, a bar per cache on stderr with tokens/s."""
     from tqdm import tqdm
 
     results = []
-    scored = sum(len(ids) - sinks - 1 for ids in streams)
+    scored = sum(len(ids) - n_sink_ids - 1 for ids in streams)
     for policy in policies:
         start = time.perf_counter()
         with tqdm(total=scored, desc=f"cache {policy.label}", unit="tok", unit_scale=True,
                   disable=not progress, leave=False, file=sys.stderr) as bar:
             parts = [
-                reference_losses(model, ids, policy, sinks, bar.update) if reference
-                else fast_losses(model, ids, policy, sinks, chunk_size, bar.update)
+                reference_losses(model, ids, policy, n_sink_ids, bar.update) if reference
+                else fast_losses(model, ids, policy, n_sink_ids, chunk_size, bar.update)
                 for ids in streams
             ]
         seconds = time.perf_counter() - start

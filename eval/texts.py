@@ -28,15 +28,15 @@ class TextSourceError(ValueError):
 
 @dataclass
 class Stream:
-    """One document's token stream: ``sinks`` sink ids, then the text."""
+    """One document's token stream: ``n_sink_ids`` sink ids, then the text."""
 
     name: str
-    ids: Tensor  # int64 [sinks + text tokens]
-    sinks: int
+    ids: Tensor  # int64 [sink ids + text tokens]
+    n_sink_ids: int
 
     @property
     def text_tokens(self) -> int:
-        return len(self.ids) - self.sinks
+        return len(self.ids) - self.n_sink_ids
 
 
 def split_dataset_spec(spec: str) -> tuple[str, str]:

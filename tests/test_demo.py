@@ -92,7 +92,7 @@ def test_demo_runs_the_whole_path_then_reuses_it(
                                  checkpoint.tokenizer, checkpoint.sink_token_ids, 2000)
         direct = evaluate(checkpoint.model, [s.ids for s in streams],
                           parse_caches("0+32,1+31,2+30,4+28,dense"),
-                          sinks=len(checkpoint.sink_token_ids))
+                          n_sink_ids=len(checkpoint.sink_token_ids))
         printed = [r["ppl"] for r in report["streaming"]["results"][label]]
         assert printed == pytest.approx([r.ppl for r in direct], rel=1e-5)
 

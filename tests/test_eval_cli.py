@@ -186,10 +186,10 @@ def test_stream_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert document["evaluator"] == "fast"
     rows = document["results"]
     assert [r["cache"] for r in rows] == caches.split(",")
-    assert (rows[2]["sinks"], rows[2]["recent"]) == (4, 28)
-    assert rows[3]["sinks"] is None and rows[4]["stride"] == 8
+    assert (rows[2]["start"], rows[2]["recent"]) == (4, 28)
+    assert rows[3]["start"] is None and rows[4]["stride"] == 8
     for row in rows:
-        assert {"cache", "sinks", "recent", "ppl", "nll", "tokens_per_second"} <= set(row)
+        assert {"cache", "start", "recent", "ppl", "nll", "tokens_per_second"} <= set(row)
         assert row["ppl"] == pytest.approx(np.exp(row["nll"]))
     losses = np.load(output.with_suffix(".npz"))
     assert losses["stream_lengths"].tolist() == [399]

@@ -54,11 +54,11 @@ def test_token_classes() -> None:
 
 def test_classify_positions_marks_first_and_sink_ids() -> None:
     ids = torch.tensor([0, 0, 1, 2, 3, 4, 5])
-    classes = classify_positions(word_tokenizer(), ids, sinks=2)
+    classes = classify_positions(word_tokenizer(), ids, n_sink_ids=2)
     names = [TOKEN_CLASSES[i] for i in classes.tolist()]
     assert names == ["first", "sink_ids", "other", "punctuation", "newline", "other",
                      "punctuation"]
-    without_sinks = classify_positions(word_tokenizer(), ids[2:], sinks=0)
+    without_sinks = classify_positions(word_tokenizer(), ids[2:], n_sink_ids=0)
     assert TOKEN_CLASSES[without_sinks[0]] == "first"
 
 
@@ -113,7 +113,7 @@ def test_uniform_attention_in_closed_form(softmax: str) -> None:
 def test_report_json_summary_and_plots(tmp_path: Path) -> None:
     model = uniform_model("softmax1")
     windows = [torch.randint(1, 50, (10,))]
-    classes = [classify_positions(word_tokenizer(), windows[0] % 7, sinks=1)]
+    classes = [classify_positions(word_tokenizer(), windows[0] % 7, n_sink_ids=1)]
     report = measure_sinks(model, windows, classes, first=2)
     document = report.to_json()
     assert set(document["sink_rate"]) == {"1", "2"}

@@ -61,7 +61,7 @@ def kept_tokens(policy: CachePolicy, t: int) -> list[int]:
     """Stream indices in the cache when token t is the query, in cache order."""
     if isinstance(policy, Dense) or t <= policy.size:
         return list(range(t))
-    return list(range(policy.sinks)) + list(range(t - policy.recent, t))
+    return list(range(policy.start)) + list(range(t - policy.recent, t))
 
 
 def rotate(x: torch.Tensor, position: int, config: ModelConfig) -> torch.Tensor:
@@ -282,14 +282,14 @@ def test_evaluate_concatenates_streams_and_scores_the_same_targets() -> None:
     model = sharp_model("sink_logit", sink_tokens=1)
     streams = [stream(20, 1, seed=2), stream(9, 1, seed=3)]
     fast, ref = (
-        evaluate(model, streams, [StartRecent(1, 5)], sinks=1, reference=reference)[0]
+        evaluate(model, streams, [StartRecent(1, 5)], n_sink_ids=1, reference=reference)[0]
         for reference in (False, True)
     )
     assert fast.tokens == ref.tokens == 19 + 8
     assert abs(fast.nll - ref.nll) < 1e-5
     assert fast.ppl == pytest.approx(math.exp(fast.nll))
     row = fast.to_json()
-    assert (row["cache"], row["sinks"], row["recent"]) == ("1+5", 1, 5)
+    assert (row["cache"], row["start"], row["recent"]) == ("1+5", 1, 5)
     assert {"ppl", "nll", "tokens_per_second"} <= set(row)
 
 
@@ -298,9 +298,9 @@ def test_bad_streams_are_refused() -> None:
     with pytest.raises(StreamError, match="outside the model's 97-row embedding"):
         fast_losses(model, torch.tensor([1, 2, 500]), Dense())
     with pytest.raises(StreamError, match="at least two text tokens"):
-        reference_losses(model, torch.tensor([95, 3]), Dense(), sinks=1)
+        reference_losses(model, torch.tensor([95, 3]), Dense(), n_sink_ids=1)
     with pytest.raises(StreamError, match="sink ids"):
-        fast_losses(model, stream(10, 2), parse_cache("recompute:2"), sinks=2)
+        fast_losses(model, stream(10, 2), parse_cache("recompute:2"), n_sink_ids=2)
 
 
 @pytest.mark.parametrize("spec", ["2+30", "0+16", "dense", "recompute:24", "recompute:24:5"])
