@@ -14,7 +14,7 @@ TORCH_PIP_ARGS ?=
 install: $(STAMP)
 
 # CPU machines install torch 2.13.0 first (on our CI machines a local CPU wheel), so that the
-# `torch>=2.5` range in pyproject.toml is already satisfied and pip never pulls a multi-GB
+# `torch>=2.6` range in pyproject.toml is already satisfied and pip never pulls a multi-GB
 # CUDA build. Machines with a GPU (nvidia-smi present) let pip pick the CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from sinklm.data.errors import CommandError
 
 from .errors import DataError
 from .packing import PrepareConfig, prepare_data
@@ -125,7 +126,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "         sinklm prepare-data --config configs/data/local_corpus.yaml\n"
         "         sinklm prepare-data --synthetic bigram-backcopy --param tokens=2000000 \\\n"
         "           --val-fraction 0.05 --output packed/bigram_backcopy",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_source_arguments(prepare)
     synthetic = prepare.add_argument_group(
@@ -159,7 +159,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="example: sinklm train-tokenizer --reflow \\\n"
         "           --source ../shared/data/corpus/english_pd_mix.jsonl.gz \\\n"
         "           --vocab-size 8000 --output tokenizers/english_pd_8k",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_source_arguments(train)
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",
@@ -178,8 +177,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         config = PrepareConfig.from_dict(_merged(args, _PREPARE_FLAGS))
         meta = prepare_data(config)
     except DataError as error:
-        print(f"sinklm prepare-data: {error}", file=sys.stderr)
-        return 2
+        raise CommandError(error) from None
     splits = {
         name: {"documents": s["documents"], "tokens": s["tokens"]}
         for name, s in meta["splits"].items()
@@ -212,8 +210,7 @@ def run_train_tokenizer(args: argparse.Namespace) -> int:
                                     length=source.num_documents)
         path = save_tokenizer(tokenizer, args.output)
     except DataError as error:
-        print(f"sinklm train-tokenizer: {error}", file=sys.stderr)
-        return 2
+        raise CommandError(error) from None
     print(json.dumps({"tokenizer": str(path),
                       "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
                       "eod_id": eod_token_id(tokenizer), "hash": tokenizer_hash(tokenizer)},

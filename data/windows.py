@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .errors import DataError
 from .packing import read_meta
+from .sinks import SinkPrefix
 
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: positions without a target
 
@@ -139,25 +140,24 @@ class SinkCollator:
     """
 
     def __init__(self, sink_ids: Sequence[int], seq_len: int) -> None:
-        self.sink_ids = torch.tensor(list(sink_ids), dtype=torch.long)
+        self.sinks = SinkPrefix(sink_ids)
         self.seq_len = seq_len
-        self.window = text_tokens(seq_len, len(self.sink_ids))
+        self.window = text_tokens(seq_len, len(self.sinks))
 
     def __call__(self, windows: Sequence[np.ndarray]) -> dict[str, Tensor]:
         batch = torch.from_numpy(np.stack(windows).astype(np.int64))
         if batch.shape[1] != self.window + 1:
             raise DataError(
                 f"windows of {batch.shape[1]} tokens, but seq_len={self.seq_len} with "
-                f"{len(self.sink_ids)} sink(s) needs {self.window + 1}: build the dataset and the "
+                f"{len(self.sinks)} sink(s) needs {self.window + 1}: build the dataset and the "
                 "collator with the same seq_len and sink count"
             )
-        k = len(self.sink_ids)
+        k = len(self.sinks)
         if k == 0:
             return {"input_ids": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
-        b = batch.shape[0]
-        input_ids = torch.cat([self.sink_ids.expand(b, k), batch[:, :-1]], dim=1)
-        labels = torch.cat([torch.full((b, k - 1), IGNORE_INDEX), batch], dim=1)
-        labels[torch.isin(labels, self.sink_ids)] = IGNORE_INDEX
+        input_ids = self.sinks.prepend(batch[:, :-1])
+        labels = torch.cat([torch.full((batch.shape[0], k - 1), IGNORE_INDEX), batch], dim=1)
+        labels[self.sinks.is_sink(labels)] = IGNORE_INDEX
         return {"input_ids": input_ids, "labels": labels}
 
 

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from sinklm.models import CausalLM, ConfigError, ModelConfig
+from sinklm.models import CausalLM, ConfigError
+from sinklm.models.checkpoint import CheckpointFormatError, load_trained, read_checkpoint
 from sinklm.models.config import variant_name
 from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
 from sinklm.models.convert import config_from_hf, from_hf_model, from_hf_state_dict
-from sinklm.train.module import CHECKPOINT_KEY, SINK_IDS_KEY, TOKENIZER_KEY
 
 from .options import DTYPE_NAMES
 
@@ -125,33 +125,14 @@ def _sink_metadata(extra: dict[str, Any], sink_tokens: int) -> list[int]:
 def _load_lightning(
     path: Path,
 ) -> tuple[CausalLM, list[int], str, Tokenizer, list[dict[str, Any]]]:
-    """A `sinklm fit` checkpoint: the network's weights, config, tokenizer, sink ids and the
-    sink probe's record."""
+    """A `sinklm fit` checkpoint (format: ``sinklm.models.checkpoint``): the network's weights,
+    config, tokenizer, sink ids and the sink probe's record."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as error:  # torch raises several kinds for a damaged or foreign file
-        raise CheckpointError(f"{path}: not a readable checkpoint ({error})") from error
-    if CHECKPOINT_KEY not in checkpoint or TOKENIZER_KEY not in checkpoint:
-        raise CheckpointError(
-            f"{path} was not written by `sinklm fit` (no model config or tokenizer in it)"
-        )
-    config = ModelConfig.from_dict(checkpoint[CHECKPOINT_KEY]).replace(
-        attention={"backend": "sdpa"}
-    )
-    model = CausalLM(config)
-    prefix = "model."
-    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items()
-             if k.startswith(prefix)}
-    model.load_state_dict(state, strict=True)
-    name = f"{config.name}-{variant_name(config)}"
-    tokenizer = Tokenizer.from_str(checkpoint[TOKENIZER_KEY])
-    sink_ids = [int(i) for i in checkpoint[SINK_IDS_KEY]]
-    if len(sink_ids) != config.sink_tokens:
-        raise CheckpointError(
-            f"{path}: the model has sink_tokens={config.sink_tokens} but was trained with "
-            f"{len(sink_ids)} sink ids {sink_ids}: the checkpoint is inconsistent (written by a "
-            "sinklm before model and data shared one sink count); retrain it"
-        )
+        checkpoint = read_checkpoint(path)
+        model, tokenizer, sink_ids = load_trained(checkpoint, path)
+    except CheckpointFormatError as error:
+        raise CheckpointError(str(error)) from error
+    name = f"{model.config.name}-{variant_name(model.config)}"
     probe = checkpoint.get("callbacks", {}).get("SinkProbe", {})
     history = [dict(row) for row in probe.get("history", [])]
     return model, sink_ids, name, tokenizer, history

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sinklm.data.errors import CommandError, check_at_least
 from sinklm.models import ConfigError
 
 from .options import DEVICE_HELP, DTYPE_NAMES, default_device
@@ -31,8 +32,12 @@ def user_errors() -> tuple[type[Exception], ...]:
     return CacheSpecError, CheckpointError, ConfigError, StreamError, TextSourceError
 
 
-class UsageError(ValueError):
-    """Bad command-line input that argparse itself cannot see."""
+def check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without one before any model is loaded."""
+    import torch
+
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise CommandError(f"--device {device}: no CUDA device here; use --device cpu")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +77,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "caches: X+Y (0+Y is window attention), dense, recompute:L[:S] (sliding window of L\n"
         "tokens re-encoded for each token, or every S tokens). Default: the paper's grid with\n"
         "X+Y = half the model's trained context.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(stream)
     stream.add_argument("--cache", help="comma-separated cache specs")
@@ -98,7 +102,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(first position, sink ids, newline, punctuation, other). Writes JSON and plots.",
         epilog="example: sinklm sinks --checkpoint EleutherAI/pythia-160m \\\n"
         "           --text book.txt --window 512 --windows 8 --output sinks/pythia-160m.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(sinks)
     sinks.add_argument("--window", type=int,
@@ -115,22 +118,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sinks.set_defaults(func=run_sinks)
 
 
-def _fail(command: str, message: str) -> int:
-    print(f"sinklm {command}: {message}", file=sys.stderr)
-    return 2
-
-
 def _warn(command: str, message: str) -> None:
     print(f"sinklm {command}: warning: {message}", file=sys.stderr)
 
 
 def _load(args: argparse.Namespace) -> Checkpoint:
-    import torch
-
     from .checkpoint import DTYPES, load_checkpoint
 
-    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    check_device(args.device)
     return load_checkpoint(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
                            dtype=DTYPES[args.dtype])
 
@@ -162,18 +157,15 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     command = "stream-eval"
     refusal = output_refusal(args.output, args.overwrite)
     if refusal:
-        return _fail(command, refusal)
+        raise CommandError(refusal)
     from .cache import check_policies, paper_caches, parse_caches
     from .report import format_ppl, markdown_table, write_outputs
     from .streaming import DEFAULT_CHUNK, CacheResult, evaluate
 
     args.device = args.device or default_device()
     chunk_size = DEFAULT_CHUNK if args.chunk_size is None else args.chunk_size
+    check_at_least(("--max-tokens", args.max_tokens, 2), ("--chunk-size", chunk_size, 1))
     try:
-        if args.max_tokens is not None and args.max_tokens < 2:
-            raise UsageError(f"--max-tokens {args.max_tokens}: must be at least 2")
-        if chunk_size < 1:
-            raise UsageError(f"--chunk-size {chunk_size}: must be at least 1")
         policies = parse_caches(args.cache) if args.cache is not None else None
         _check_source(args)
         checkpoint = _load(args)
@@ -196,8 +188,8 @@ def run_stream_eval(args: argparse.Namespace) -> int:
         results = evaluate(checkpoint.model, [s.ids.to(args.device) for s in streams], policies,
                            n_sink_ids=len(sink_ids), reference=args.reference,
                            chunk_size=chunk_size, on_result=report, progress=True)
-    except (*user_errors(), UsageError) as error:
-        return _fail(command, str(error))
+    except user_errors() as error:
+        raise CommandError(error) from None
     header = {
         "checkpoint": args.checkpoint,
         "model": checkpoint.describe(),
@@ -226,27 +218,25 @@ def run_sinks(args: argparse.Namespace) -> int:
     command = "sinks"
     refusal = output_refusal(args.output, args.overwrite)
     if refusal:
-        return _fail(command, refusal)
+        raise CommandError(refusal)
     import torch
 
     from .sinks import markdown_summary, measure_text, plot_sinks
 
     args.device = args.device or default_device()
+    check_at_least(("--windows", args.windows, 1), ("--first", args.first, 1),
+                   ("--map-size", args.map_size, 1))
+    if not 0.0 <= args.eps < 1.0:
+        raise CommandError(f"--eps {args.eps}: must lie in [0, 1)")
     try:
-        for name, value, low in (("--windows", args.windows, 1), ("--first", args.first, 1),
-                                 ("--map-size", args.map_size, 1)):
-            if value < low:
-                raise UsageError(f"{name} {value}: must be at least {low}")
-        if not 0.0 <= args.eps < 1.0:
-            raise UsageError(f"--eps {args.eps}: must lie in [0, 1)")
         _check_source(args)
         checkpoint = _load(args)
         config = checkpoint.model.config
         window = args.window if args.window is not None else min(512, config.max_seq_len)
         sink_ids = checkpoint.sink_token_ids
         if window <= len(sink_ids) + 1:
-            raise UsageError(f"--window {window}: must hold the {len(sink_ids)} sink ids and at "
-                             "least two text tokens")
+            raise CommandError(f"--window {window}: must hold the {len(sink_ids)} sink ids "
+                               "and at least two text tokens")
         if window > config.max_seq_len:
             _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
                   "positions the model was trained on")
@@ -254,8 +244,8 @@ def run_sinks(args: argparse.Namespace) -> int:
         streams = _streams(args, checkpoint, [], budget)
         report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
                               args.windows, args.first, args.eps, args.map_size)
-    except (*user_errors(), UsageError) as error:
-        return _fail(command, str(error))
+    except user_errors() as error:
+        raise CommandError(error) from None
     args.output.parent.mkdir(parents=True, exist_ok=True)
     plots = plot_sinks(report, args.output.with_suffix(""))
     document = {

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from .cli import user_errors
+from sinklm.data.errors import CommandError, check_at_least
+
+from .cli import check_device, user_errors
 from .options import DEVICE_HELP, DTYPE_NAMES, default_device
 from .zeroshot_tasks import ZeroshotError
 
@@ -30,7 +31,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "           --output runs/compare\n"
         "caches: X+Y (0+Y is window attention), dense, recompute:L[:S]. Default: the paper's\n"
         "grid with X+Y = half the shortest trained context of the checkpoints.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoints", nargs="+", metavar="P",
                         help="checkpoints to compare: .ckpt, folder or Hub id")
@@ -64,27 +64,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_compare)
 
 
-def _fail(message: object, code: int = 2) -> int:
-    print(f"sinklm compare: {message}", file=sys.stderr)
-    return code
-
-
 def run_compare(args: argparse.Namespace) -> int:
-    import torch
-
     from .cache import parse_caches
     from .compare import CompareError, Settings, compare
 
-    for name, value, low in (("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
-                             ("--batch-size", args.batch_size, 1)):
-        if value is not None and value < low:
-            return _fail(f"{name} {value}: must be at least {low}")
+    check_at_least(("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
+                   ("--batch-size", args.batch_size, 1))
     args.device = args.device or default_device()
-    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        return _fail(f"--device {args.device}: no CUDA device here; use --device cpu")
+    check_device(args.device)
     tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
     if args.data_dir is not None and not tasks:
-        return _fail("--data-dir is for zero-shot tasks; name them with --tasks")
+        raise CommandError("--data-dir is for zero-shot tasks; name them with --tasks")
     try:
         settings = Settings(
             texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
@@ -95,10 +85,10 @@ def run_compare(args: argparse.Namespace) -> int:
         )
         report = compare(args.checkpoints, args.output, settings, args.overwrite)
     except (*user_errors(), CompareError, ZeroshotError) as error:
-        return _fail(error)
+        raise CommandError(error) from None
     except ConnectionError as error:  # datasets cannot reach the Hub
-        return _fail(f"{error}: the Hub datasets need the network; --data-dir FOLDER reads "
-                     "local files instead", code=1)
+        raise CommandError(f"{error}: the Hub datasets need the network; --data-dir FOLDER "
+                           "reads local files instead", code=1) from None
     print(report.streaming_table)
     print()
     print("\n".join(report.findings))

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tokenizers import Tokenizer, processors
+from tokenizers import Tokenizer
 
 import sinklm.models
 from sinklm.data.errors import DataError
+from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import PAD_TOKEN, eod_token_id, sink_token_ids
 from sinklm.models import ModelConfig
 from sinklm.models.configuration_sinklm import MODEL_TYPE
@@ -171,13 +172,7 @@ def export_tokenizer(
     steps = current["processors"] if current and current["type"] == "Sequence" else [current]
     steps = [step for step in steps if step and not _is_sink_template(step)]
     if ids:
-        names = sink_names(tokenizer, ids)
-        template = processors.TemplateProcessing(
-            single=" ".join(names) + " $A:0",
-            pair=" ".join(names) + " $A:0 $B:1",
-            special_tokens=list(zip(names, ids, strict=True)),
-        )
-        steps.append(json.loads(template.__getstate__()))
+        steps.append(json.loads(SinkPrefix(ids).template(tokenizer).__getstate__()))
     if len(steps) > 1:
         data["post_processor"] = {"type": "Sequence", "processors": steps}
     else:
@@ -190,11 +185,6 @@ def _is_sink_template(step: Mapping[str, Any]) -> bool:
     return step.get("type") == "TemplateProcessing" and bool(specials) and all(
         SINK_NAME.fullmatch(name) for name in specials
     )
-
-
-def sink_names(tokenizer: Tokenizer, sink_ids: list[int]) -> list[str]:
-    """The tokens of ``sink_ids`` in a tokenizer that has them (``<|sink|>``, ...)."""
-    return [str(tokenizer.id_to_token(i)) for i in sink_ids]
 
 
 def hf_config_dict(checkpoint: Checkpoint, eod: int) -> dict[str, Any]:
@@ -318,7 +308,7 @@ def model_card(
     """README.md: Hub metadata, how to load it, the model, its recipe and its results."""
     config = checkpoint.model.config
     softmax, remote = config.attention.softmax, needs_remote_code(config)
-    names = sink_names(tokenizer, checkpoint.sink_token_ids)
+    names = SinkPrefix(checkpoint.sink_token_ids).names(tokenizer)
     tags = ["sinklm", "gpt_neox", "pythia", "attention-sinks", f"attention-{softmax}"]
     if config.sink_tokens:
         tags.append("sink-token")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from sinklm.data.errors import CommandError
 
 from .options import DEVICE_HELP, DTYPE_NAMES
 from .outputs import output_refusal, write_atomic
@@ -33,7 +34,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "         sinklm export --checkpoint runs/pythia-160m-zero_sink/checkpoints/last.ckpt \\\n"
         "           --output exports/pythia-160m-zero_sink "
         "--push-to-hub me/pythia-160m-zero-sink --private",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     export.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
     export.add_argument("--output", required=True, help="the folder to write")
@@ -62,7 +62,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "runs/pythia-160m-sink_token/checkpoints/last.ckpt \\\n"
         "           --data-dir ../shared/data/benchmarks --limit 100 "
         "--output runs/pythia-160m-sink_token/zeroshot_results.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     zeroshot.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
     zeroshot.add_argument(
@@ -86,11 +85,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     zeroshot.set_defaults(func=run_zeroshot)
 
 
-def _fail(command: str, error: Exception | str, code: int = 2) -> int:
-    print(f"sinklm {command}: {error}", file=sys.stderr)
-    return code
-
-
 def run_export(args: argparse.Namespace) -> int:
     from .checkpoint import DTYPES, CheckpointError, load_checkpoint
     from .export import (
@@ -105,7 +99,7 @@ def run_export(args: argparse.Namespace) -> int:
     )
 
     if args.private and not args.push_to_hub:
-        return _fail("export", "--private applies to --push-to-hub REPO_ID; give both")
+        raise CommandError("--private applies to --push-to-hub REPO_ID; give both")
     try:
         check_output(args.output, args.checkpoint, args.overwrite)
         if args.push_to_hub:
@@ -120,13 +114,13 @@ def run_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except (CheckpointError, ExportError, HubError) as error:
-        return _fail("export", error)
+        raise CommandError(error) from None
     print(f"sinklm export: wrote {folder}")
     if args.push_to_hub:
         try:
             url = push_to_hub(folder, args.push_to_hub, private=args.private)
         except HubError as error:
-            return _fail("export", error, code=1)
+            raise CommandError(error, code=1) from None
         print(f"sinklm export: pushed to {url}")
     return 0
 
@@ -141,12 +135,12 @@ def run_zeroshot(args: argparse.Namespace) -> int:
     output = Path(args.output).expanduser()
     refusal = output_refusal(output, args.overwrite)
     if refusal:
-        return _fail("zeroshot", refusal)
+        raise CommandError(refusal)
     if args.limit is not None and args.limit < 1:
-        return _fail("zeroshot", f"--limit {args.limit}: give a positive number of items")
+        raise CommandError(f"--limit {args.limit}: give a positive number of items")
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks:
-        return _fail("zeroshot", "--tasks is empty: name at least one lm-eval task")
+        raise CommandError("--tasks is empty: name at least one lm-eval task")
     try:
         specs = task_specs(tasks, args.data_dir)
         model = SinkLMEval(
@@ -154,10 +148,10 @@ def run_zeroshot(args: argparse.Namespace) -> int:
         )
         raw = evaluate(model, specs, limit=args.limit, bootstrap_iters=args.bootstrap_iters)
     except (ZeroshotError, CheckpointError) as error:
-        return _fail("zeroshot", error)
+        raise CommandError(error) from None
     except ConnectionError as error:  # datasets cannot reach the Hub
         hint = "the Hub datasets need the network; --data-dir FOLDER reads local files instead"
-        return _fail("zeroshot", f"{error}: {hint}", code=1)
+        raise CommandError(f"{error}: {hint}", code=1) from None
     settings = {
         "checkpoint": args.checkpoint,
         "tasks": tasks,

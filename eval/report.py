@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .plots import figure
 from .streaming import CacheResult
 
 # Points drawn per line of the running-perplexity plot, whatever the stream length.
@@ -48,21 +49,15 @@ def running_ppl(losses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plot_running_ppl(results: Sequence[CacheResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for result in results:
-        x, y = running_ppl(result.losses)
-        ax.plot(x, y, label=f"{result.policy.label} ({format_ppl(result.ppl)})")
-    ax.set(xlabel="scored tokens", ylabel="running perplexity", title=title, yscale="log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Each cache's perplexity so far against scored tokens: where a cache breaks down, its
+    curve leaves the others."""
+    with figure(path, figsize=(7, 4)) as (_, ax):
+        for result in results:
+            x, y = running_ppl(result.losses)
+            ax.plot(x, y, label=f"{result.policy.label} ({format_ppl(result.ppl)})")
+        ax.set(xlabel="scored tokens", ylabel="running perplexity", title=title, yscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 def write_outputs(

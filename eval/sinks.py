@@ -24,10 +24,12 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from sinklm.data.sinks import SinkPrefix
 from sinklm.data.synthetic import trigger_token_ids
 from sinklm.models import CausalLM
 
 from .checkpoint import Checkpoint
+from .plots import figure
 
 TOKEN_CLASSES = ("first", "sink_ids", "newline", "punctuation", "other")
 # Query groups of the relative-target table: every query, and on Bigram-Backcopy (a tokenizer
@@ -66,16 +68,16 @@ def classify_positions(tokenizer: Tokenizer, ids: Tensor, n_sink_ids: int) -> Te
 
 def make_windows(text_ids: Tensor, sink_ids: list[int], window: int, count: int) -> list[Tensor]:
     """Up to ``count`` consecutive windows of ``window`` tokens, each starting with the sink ids."""
-    step = window - len(sink_ids)
+    sinks = SinkPrefix(sink_ids)
+    step = window - len(sinks)
     if step < 1:
-        raise ValueError(f"a window of {window} tokens cannot hold {len(sink_ids)} sink ids")
-    sinks = torch.tensor(sink_ids, dtype=torch.long)
+        raise ValueError(f"a window of {window} tokens cannot hold {len(sinks)} sink ids")
     windows = []
     for start in range(0, len(text_ids), step):
         chunk = text_ids[start : start + step]
         if len(windows) == count or len(chunk) < 2:
             break
-        windows.append(torch.cat([sinks, chunk]))
+        windows.append(sinks.prepend(chunk))
     if not windows:
         raise ValueError("the text has fewer than two tokens: nothing to measure")
     return windows
@@ -262,64 +264,64 @@ def markdown_summary(report: SinkReport) -> str:
 def plot_sinks(report: SinkReport, prefix: Path) -> dict[str, str]:
     """Heatmaps of attention to position 0 (and the implicit sink), the attention maps of the
     first positions per layer, and each head's share per token class. Returns the paths."""
-    import matplotlib
+    paths = {name: str(prefix.with_name(f"{prefix.name}_{name}.png"))
+             for name in ("first", "maps", "classes")}
+    _plot_first(report, paths["first"])
+    _plot_maps(report, paths["maps"])
+    _plot_classes(report, paths["classes"])
+    return paths
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _plot_first(report: SinkReport, path: str) -> None:
+    """Heatmaps (layer x head) of attention to position 0 and, with softmax1 or a sink logit,
+    of the implicit sink's mass, each cell written out."""
     n_layer, n_head = report.to_position.shape[:2]
-    paths = {}
-
     panels = [("attention to position 0", report.to_position[:, :, 0])]
     if report.implicit_sink is not None:
         panels.append(("implicit sink mass", report.implicit_sink))
     size = (1.2 + 0.6 * n_head * len(panels), 1.5 + 0.45 * n_layer)
-    fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False)
-    for ax, (title, values) in zip(axes[0], panels, strict=True):
-        image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-        for (layer, head), value in np.ndenumerate(values):
-            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                    color="white" if value < 0.5 else "black")
-        ax.set(title=title, xlabel="head", ylabel="layer")
-        fig.colorbar(image, ax=ax)
-    fig.suptitle(f"Sink_1^{report.eps:g} = {report.sink_rate(1):.3f}")
-    fig.tight_layout()
-    paths["first"] = str(prefix.with_name(prefix.name + "_first.png"))
-    fig.savefig(paths["first"], dpi=120)
-    plt.close(fig)
+    with figure(path, ncols=len(panels), figsize=size, squeeze=False) as (fig, axes):
+        for ax, (title, values) in zip(axes[0], panels, strict=True):
+            image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+            for (layer, head), value in np.ndenumerate(values):
+                ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if value < 0.5 else "black")
+            ax.set(title=title, xlabel="head", ylabel="layer")
+            fig.colorbar(image, ax=ax)
+        fig.suptitle(f"Sink_1^{report.eps:g} = {report.sink_rate(1):.3f}")
 
+
+def _plot_maps(report: SinkReport, path: str) -> None:
+    """Each layer's head-averaged attention map among the first positions, six per row."""
+    n_layer = report.to_position.shape[0]
     columns = min(n_layer, 6)
     rows = -(-n_layer // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.6 * rows + 0.3),
-                             squeeze=False)
-    for index, ax in enumerate(axes.flat):
-        if index >= n_layer:
-            ax.axis("off")
-            continue
-        ax.imshow(report.attention_map[index].mean(0), cmap="viridis", vmin=0.0)
-        ax.set(title=f"layer {index}", xlabel="key", ylabel="query")
-    fig.suptitle("head-averaged attention among the first positions")
-    fig.tight_layout()
-    paths["maps"] = str(prefix.with_name(prefix.name + "_maps.png"))
-    fig.savefig(paths["maps"], dpi=120)
-    plt.close(fig)
+    with figure(path, nrows=rows, ncols=columns, figsize=(2.6 * columns, 2.6 * rows + 0.3),
+                squeeze=False) as (fig, axes):
+        for index, ax in enumerate(axes.flat):
+            if index >= n_layer:
+                ax.axis("off")
+                continue
+            ax.imshow(report.attention_map[index].mean(0), cmap="viridis", vmin=0.0)
+            ax.set(title=f"layer {index}", xlabel="key", ylabel="query")
+        fig.suptitle("head-averaged attention among the first positions")
 
+
+def _plot_classes(report: SinkReport, path: str) -> None:
+    """A stacked bar per head: its attention's share per token class (and implicit sink)."""
+    n_layer, n_head = report.to_position.shape[:2]
     labels = [f"L{layer}H{head}" for layer in range(n_layer) for head in range(n_head)]
     shares = report.class_share.reshape(n_layer * n_head, -1)
     names = list(TOKEN_CLASSES)
     if report.implicit_sink is not None:
         shares = np.concatenate([shares, report.implicit_sink.reshape(-1, 1)], axis=1)
         names.append("implicit_sink")
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(labels)), 3.5))
-    bottom = np.zeros(len(labels))
-    for column, name in enumerate(names):
-        ax.bar(labels, shares[:, column], bottom=bottom, label=name)
-        bottom += shares[:, column]
-    ax.set(ylabel="share of attention", ylim=(0, 1), title="which tokens each head attends to")
-    ax.tick_params(axis="x", labelrotation=90, labelsize=7)
-    ax.legend(fontsize=7, ncols=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    fig.tight_layout()
-    paths["classes"] = str(prefix.with_name(prefix.name + "_classes.png"))
-    fig.savefig(paths["classes"], dpi=120)
-    plt.close(fig)
-    return paths
+    with figure(path, figsize=(max(6.0, 0.3 * len(labels)), 3.5)) as (_, ax):
+        bottom = np.zeros(len(labels))
+        for column, name in enumerate(names):
+            ax.bar(labels, shares[:, column], bottom=bottom, label=name)
+            bottom += shares[:, column]
+        ax.set(ylabel="share of attention", ylim=(0, 1),
+               title="which tokens each head attends to")
+        ax.tick_params(axis="x", labelrotation=90, labelsize=7)
+        ax.legend(fontsize=7, ncols=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.25))

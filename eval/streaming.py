@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sinklm.data.sinks import SinkPrefix
 from sinklm.models import CausalLM, KVCache
+from sinklm.models.attention import sink_softmax
 from sinklm.models.model import Attention, RotaryEmbedding
 
 from .cache import CachePolicy, Recompute, StartRecent
@@ -154,11 +156,16 @@ def reference_losses(model: CausalLM, ids: Tensor, policy: CachePolicy, n_sink_i
     return losses.cpu()
 
 
-def _window_ids(ids: Tensor, end: int, window: int, n_sink_ids: int) -> Tensor:
+def _stream_sinks(ids: Tensor, n_sink_ids: int) -> SinkPrefix:
+    """The sink ids a stream starts with, to lead each of its recompute windows."""
+    return SinkPrefix(ids[:n_sink_ids].tolist())
+
+
+def _window_ids(ids: Tensor, end: int, window: int, sinks: SinkPrefix) -> Tensor:
     """The recompute window whose last token is ``end``: sink ids, then the most recent tokens."""
     if end < window:
         return ids[: end + 1]
-    return torch.cat([ids[:n_sink_ids], ids[end - (window - n_sink_ids) + 1 : end + 1]])
+    return sinks.prepend(ids[end - (window - len(sinks)) + 1 : end + 1])
 
 
 def _window_ends(n: int, policy: Recompute) -> list[int]:
@@ -186,11 +193,12 @@ def _recompute_reference(model: CausalLM, ids: Tensor, policy: Recompute, n_sink
                          progress: Progress) -> Tensor:
     _recompute_check(policy, n_sink_ids)
     losses = _output(ids, n_sink_ids)
+    sinks = _stream_sinks(ids, n_sink_ids)
     previous = -1
     for end in _window_ends(len(ids), policy):
         if end < n_sink_ids:  # stride 1 only: a query on a sink id predicts nothing scored
             continue
-        window = _window_ids(ids, end, policy.window, n_sink_ids)
+        window = _window_ids(ids, end, policy.window, sinks)
         logits = model(window.unsqueeze(0))[0]
         for t in _scored_queries(end, previous, policy):
             if t >= n_sink_ids:
@@ -354,7 +362,7 @@ class StartRecentState:
         h, d, r = attn.n_head, attn.head_dim, rotary.rotary_dims
         blocks, block = geometry.blocks, geometry.block
         padded, window = blocks * block, y + block
-        q, k, v = attn.query_key_value(x_in).view(c, h, 3 * d).transpose(0, 1).chunk(3, -1)
+        q, k, v = attn.heads(x_in)
         if a < x:  # this chunk holds some of the first x tokens: kept for good
             take = min(x - a, c)
             layer.initial_k = torch.cat([layer.initial_k, k[:, :take]], dim=1)
@@ -391,38 +399,28 @@ class StartRecentState:
 
         # One head at a time, so that its score rows [blocks, block, prefix + window] stay in
         # cache from the scores through the softmax to the values; the buffer is reused by
-        # every head, layer and chunk. A row holds the prefix columns (the implicit sink if
-        # any, then the initial keys seen so far), then the block's window of the band.
-        scores_dtype = q.dtype
+        # every head, layer and chunk. A row holds the prefix columns (the implicit sink's slot
+        # if any, which sink_softmax fills, then the initial keys seen so far), then the
+        # block's window of the band.
         scores = self._scratch(blocks * block * (prefix + window), q).view(blocks, block, -1)
         rows = scores.view(padded, -1)
         key_windows = keys.unfold(1, prefix + window, block)  # [h, blocks, d, prefix + window]
         value_windows = values.unfold(1, window, block).transpose(-1, -2)  # [h, blocks, window, d]
-        accumulate = torch.promote_types(scores_dtype, torch.float32)  # as the model's kernels
         out = q.new_empty(h, blocks, block, d)
         for head in range(h):
             torch.bmm(query[head].view(blocks, block, d), key_windows[head], out=scores)
-            if sink is not None:  # the implicit sink as a key: score sink_logit, value zero
-                rows[:, 0] = sink[head].to(scores_dtype)
             if prefix > first:  # rotated dims against P_j, the others as the band query's
                 initial = rows[:c, first:prefix]
                 torch.mm(initial_query[head], initial_rotated[head].t(), out=initial)
                 initial.addmm_(query[head, :c, r:], initial_k[head, :, r:].t())
                 rows[c:, first:prefix] = 0.0  # padded queries: finite, and dropped below
             scores += geometry.bias
-            if accumulate == scores_dtype:
-                probs = torch.softmax(scores, dim=-1, out=scores)
-            else:
-                probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(scores_dtype)
+            probs = sink_softmax(scores, None if sink is None else sink[head], out=scores)
             torch.bmm(probs[..., prefix:], value_windows[head], out=out[head])
             if prefix > first:
                 out[head].view(padded, d).addmm_(probs.view(padded, -1)[:, first:prefix],
                                                  layer.initial_v[head])
-        out = out.view(h, padded, d)
-        out = out[:, :c].transpose(0, 1).reshape(c, h * d)
-        if attn.softmax == "gated":
-            out = out * torch.sigmoid(attn.gate(x_in))
-        return attn.dense(out)
+        return attn.output(out.view(h, padded, d)[:, :c], x_in)
 
 
 def _band(held: Tensor, new: Tensor, before: int, after: int) -> Tensor:
@@ -511,13 +509,12 @@ def _recompute_fast(model: CausalLM, ids: Tensor, policy: Recompute, n_sink_ids:
     later = [end for end in ends if end > first_end]
     per_batch = max(1, RECOMPUTE_BATCH_TOKENS // window)
     offsets = torch.arange(window - n_sink_ids, device=ids.device)
-    sink_part = torch.arange(n_sink_ids, device=ids.device)
+    sinks = _stream_sinks(ids, n_sink_ids)
     previous = first_end
     for i in range(0, len(later), per_batch):
         batch_ends = torch.tensor(later[i : i + per_batch], device=ids.device)
         recent = batch_ends[:, None] - (window - n_sink_ids) + 1 + offsets[None]
-        index = torch.cat([sink_part.expand(len(batch_ends), -1), recent], dim=1)
-        hidden = _hidden(model, ids[index])
+        hidden = _hidden(model, sinks.prepend(ids[recent]))
         start, rows = previous + 1, []  # this batch scores queries start..its last end
         for b, end in enumerate(batch_ends.tolist()):
             rows.append(hidden[b, window - len(_scored_queries(end, previous, policy)) :])

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from sinklm.data.errors import DataError
 from sinklm.data.packing import SPLITS, read_meta, read_split
+from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import tokenizer_hash
 
 
@@ -103,6 +104,7 @@ def encode_streams(
 def _streams(
     documents: Iterable[tuple[str, Sequence[int]]], sink_ids: list[int], max_tokens: int | None
 ) -> list[Stream]:
+    sinks = SinkPrefix(sink_ids)
     streams: list[Stream] = []
     budget = max_tokens
     for name, ids in documents:
@@ -113,9 +115,8 @@ def _streams(
             budget -= len(ids)
         if len(ids) < 2:
             continue
-        stream = torch.cat([torch.tensor(sink_ids, dtype=torch.long),
-                            torch.as_tensor(np.asarray(ids), dtype=torch.long)])
-        streams.append(Stream(name, stream, len(sink_ids)))
+        stream = sinks.prepend(torch.as_tensor(np.asarray(ids), dtype=torch.long))
+        streams.append(Stream(name, stream, len(sinks)))
     if not streams:
         raise TextSourceError("no document with at least two tokens to evaluate")
     return streams

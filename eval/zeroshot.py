@@ -34,6 +34,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from sinklm.data.errors import DataError
+from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import eod_token_id
 from sinklm.models import KVCache
 
@@ -77,7 +78,7 @@ class SinkLMEval(TemplateLM):
         self.checkpoint = checkpoint
         self.network = checkpoint.model.eval()
         self.tokenizer = checkpoint.tokenizer
-        self.sink_ids = list(checkpoint.sink_token_ids)
+        self.sinks = SinkPrefix(checkpoint.sink_token_ids)
         self.batch_size = int(batch_size)
         self.max_gen_toks = max_gen_toks
         self._device = next(self.network.parameters()).device
@@ -91,9 +92,14 @@ class SinkLMEval(TemplateLM):
         return self._eot
 
     @property
+    def sink_ids(self) -> list[int]:
+        """The checkpoint's sink ids, as lm-eval's results record them."""
+        return list(self.sinks.ids)
+
+    @property
     def max_length(self) -> int:
         """Text tokens per sequence: the trained context less the sink positions."""
-        return self.network.config.max_seq_len - len(self.sink_ids)
+        return self.network.config.max_seq_len - len(self.sinks)
 
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
@@ -112,12 +118,11 @@ class SinkLMEval(TemplateLM):
     def _logits(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits of the text positions of each row, [B, T, V]: sinks in front, right-padded."""
         width = max(len(row) for row in rows)
-        ids = torch.full((len(rows), len(self.sink_ids) + width), self._eot, dtype=torch.long)
-        if self.sink_ids:
-            ids[:, : len(self.sink_ids)] = torch.tensor(self.sink_ids)
+        text = torch.full((len(rows), width), self._eot, dtype=torch.long)
         for i, row in enumerate(rows):
-            ids[i, len(self.sink_ids) : len(self.sink_ids) + len(row)] = torch.tensor(row)
-        return self.network(ids.to(self._device))[:, len(self.sink_ids) :]
+            text[i, : len(row)] = torch.tensor(row)
+        ids = self.sinks.prepend(text)
+        return self.network(ids.to(self._device))[:, len(self.sinks) :]
 
     def _loglikelihood_tokens(
         self,
@@ -205,7 +210,7 @@ class SinkLMEval(TemplateLM):
     def _greedy(self, context: list[int], max_new: int, until: list[str]) -> str:
         """Decode up to ``max_new`` tokens after sinks + context, stopping at EOT or ``until``."""
         keep = max(self.max_length - max_new, 1)
-        ids = torch.tensor([self.sink_ids + context[-keep:]], device=self._device)
+        ids = torch.tensor([self.sinks.prepend(context[-keep:])], device=self._device)
         cache = KVCache(self.network.config.n_layer)
         logits = self.network(ids, cache=cache)
         generated: list[int] = []

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from sinklm.data.errors import CommandError
 
 from .config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ConfigError, ModelConfig
 
@@ -26,7 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print {name, params, config} for a preset as JSON.",
         epilog="example: sinklm info pythia-160m --variant sink_token\n"
         "         sinklm info --list",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("preset", nargs="?", help=f"one of {', '.join(PRESETS)}")
     parser.add_argument("--list", action="store_true", help="list every preset with its size")
@@ -45,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"presets": rows, "variants": VARIANTS}, indent=2))
         return 0
     if not args.preset:
-        print("sinklm info: name a preset (or pass --list to see them)", file=sys.stderr)
-        return 2
+        raise CommandError("name a preset (or pass --list to see them)")
     try:
         config = ModelConfig.from_preset(args.preset, variant=args.variant)
         if args.softmax is not None:
@@ -54,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
         if args.sink_tokens is not None:
             config = config.replace(sink_tokens=args.sink_tokens)
     except ConfigError as error:
-        print(f"sinklm info: {error}", file=sys.stderr)
-        return 2
+        raise CommandError(error) from None
     print(json.dumps({"name": config.name, "params": count_params(config),
                       "config": config.to_dict()}, indent=2))
     return 0

@@ -91,6 +91,11 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """GPT-NeoX attention in the variant of ``config.attention.softmax``. What a variant changes
+    is defined once, here and in ``attention.sink_softmax``: :meth:`sink` (the softmax's extra
+    denominator term), :meth:`output` (the gate); the streaming evaluator's fast path calls
+    them too."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.head_dim
@@ -113,6 +118,24 @@ class Attention(nn.Module):
             return self.zero_sink
         return None
 
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values [..., H, T, D] of ``x`` [..., T, d], before rotary (the
+        fused projection holds [q_h, k_h, v_h] per head). The model and the streaming
+        evaluator's fast path both split heads here."""
+        qkv = self.query_key_value(x)
+        qkv = qkv.view(*x.shape[:-1], self.n_head, 3 * self.head_dim).transpose(-3, -2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        return q, k, v
+
+    def output(self, y: Tensor, x: Tensor) -> Tensor:
+        """The layer's output from the heads' ``y`` [..., H, T, D] and the layer input ``x``
+        [..., T, d]: heads merged, the ``gated`` variant's gate, the output projection. Shared
+        with the streaming evaluator's fast path, so a variant's output side lives here only."""
+        y = y.transpose(-3, -2).flatten(-2)
+        if self.softmax == "gated":
+            y = y * torch.sigmoid(self.gate(x))
+        return self.dense(y)
+
     def forward(
         self,
         x: Tensor,
@@ -125,9 +148,7 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
         """Returns (output, (keys before rotary, values) including ``past`` when ``use_cache``,
         probabilities when ``need_weights``)."""
-        b, t, _ = x.shape
-        qkv = self.query_key_value(x).view(b, t, self.n_head, 3 * self.head_dim).transpose(1, 2)
-        q, k, v = qkv.chunk(3, dim=-1)
+        q, k, v = self.heads(x)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -139,10 +160,7 @@ class Attention(nn.Module):
             y, probs = eager_attention(q, k, v, self.sink())
         else:
             y = FUSED_KERNELS[self.backend](q, k, v, self.sink())
-        y = y.transpose(1, 2).reshape(b, t, -1)
-        if self.softmax == "gated":
-            y = y * torch.sigmoid(self.gate(x))
-        return self.dense(y), new_past, probs if need_weights else None
+        return self.output(y, x), new_past, probs if need_weights else None
 
 
 class MLP(nn.Module):

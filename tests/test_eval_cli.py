@@ -119,7 +119,7 @@ def test_checkpoint_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"has no config\.json"):
         load_checkpoint(tmp_path / "empty")
     (tmp_path / "file.ckpt").write_text("x")
-    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+    with pytest.raises(CheckpointError, match="cannot be read as a checkpoint"):
         load_checkpoint(tmp_path / "file.ckpt")
     (tmp_path / "weights.bin").write_text("x")
     with pytest.raises(CheckpointError, match=r"not a `sinklm fit` checkpoint \(\.ckpt\)"):

@@ -22,6 +22,7 @@ from sinklm.eval.streaming import (
     reference_losses,
 )
 from sinklm.models import SOFTMAX_VARIANTS, CausalLM, ModelConfig
+from sinklm.models.model import Attention
 
 VOCAB = 97
 
@@ -196,6 +197,24 @@ def test_fast_equals_reference_when_chunk_sizes_change(softmax: str) -> None:
     with torch.no_grad():
         logits = model.embed_out(model.gpt_neox.final_layer_norm(torch.cat(hidden)))
         got = F.cross_entropy(logits[1:], ids[2:], reduction="none")
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_fast_path_takes_a_variant_from_the_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path gets a variant's sink term and output side from the model's Attention,
+    not from a copy of the math: a made-up variant (a sink logit of 1.5 in every head, output
+    halved before the projection), defined on Attention only, gives the reference's losses."""
+    model = sharp_model("softmax", sink_tokens=1)
+    ids = stream(40, 1)
+    policy = StartRecent(2, 9)
+    vanilla = reference_losses(model, ids, policy, 1)
+    sink = torch.full((model.config.n_head,), 1.5)
+    output = Attention.output
+    monkeypatch.setattr(Attention, "sink", lambda self: sink)
+    monkeypatch.setattr(Attention, "output", lambda self, y, x: output(self, 0.5 * y, x))
+    expected = reference_losses(model, ids, policy, 1)
+    assert (expected - vanilla).abs().max().item() > 1e-2  # the variant changes the losses
+    got = fast_losses(model, ids, policy, 1, chunk_size=7)
     assert (got - expected).abs().max().item() < 1e-4
 
 

@@ -13,8 +13,8 @@ import yaml
 from helpers.train_data import TinyData, tiny_config
 
 from sinklm.data import PrepareConfig, prepare_data, read_meta, save_tokenizer, train_tokenizer
+from sinklm.models.checkpoint import DATA_KEY
 from sinklm.train.fit import run_fit
-from sinklm.train.module import DATA_KEY
 
 
 @dataclass

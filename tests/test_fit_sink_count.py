@@ -12,8 +12,8 @@ import yaml
 from helpers.train_data import TinyData, tiny_config
 
 from sinklm.eval.checkpoint import CheckpointError, load_checkpoint
+from sinklm.models.checkpoint import SINK_IDS_KEY
 from sinklm.train.fit import run_fit
-from sinklm.train.module import SINK_IDS_KEY
 
 
 @pytest.mark.parametrize(("variant", "setting", "expected"), [

@@ -12,7 +12,6 @@ from sinklm.models.attention import (
     eager_attention,
     flex_attention,
     sdpa_attention,
-    sdpa_padded_sink_attention,
 )
 
 VARIANTS = ("softmax", "softmax1", "sink_logit", "gated")
@@ -130,9 +129,8 @@ def test_backend_matches_eager_forward_and_backward(softmax: str, backend: str) 
         assert grads["gpt_neox.layers.0.attention.sink_logit"].abs().min() > 0
 
 
-# sdpa_attention takes the CPU flash kernel's log-sum-exp path with a custom backward;
-# sdpa_padded_sink_attention is the path of every other device (the sink as an extra key).
-@pytest.mark.parametrize("kernel", [eager_attention, sdpa_attention, sdpa_padded_sink_attention])
+# sdpa_attention takes the CPU flash kernel's log-sum-exp path with a custom backward.
+@pytest.mark.parametrize("kernel", [eager_attention, sdpa_attention])
 @pytest.mark.parametrize("past", [0, 3])
 def test_sink_logit_gradcheck(kernel, past: int) -> None:
     """Analytic gradients of q, k, v and the sink logit equal finite differences."""

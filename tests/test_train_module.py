@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +14,7 @@ import torch
 from helpers.train_data import TinyData
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
+from sinklm.models.checkpoint import load_trained, read_checkpoint
 from sinklm.models.config import ConfigError
 from sinklm.train.callbacks import StepCheckpoint
 from sinklm.train.data_module import SinkLMDataModule
@@ -196,6 +199,35 @@ def test_last_checkpoint_holds_the_final_step(train_data: TinyData, tmp_path: Pa
     module, data, trainer = make_run(train_data, tmp_path, "skip", steps=5)
     trainer.fit(module, data)
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 5
+
+
+def test_saved_checkpoint_loads_the_trained_network(train_data: TinyData, tmp_path: Path) -> None:
+    """The module's checkpoint keeps the on-disk key strings (older checkpoints still load) and
+    loads through ``sinklm.models.checkpoint`` into a network with the trained module's logits."""
+    module, data, trainer = make_run(train_data, tmp_path, "skip", steps=2)
+    trainer.fit(module, data)
+    path = tmp_path / "last.ckpt"
+    checkpoint = read_checkpoint(path)
+    assert checkpoint["global_step"] == 2
+    assert checkpoint["sinklm_model_config"] == module.config.to_dict()
+    assert checkpoint["sinklm_tokenizer"] == data.tokenizer.to_str()
+    assert checkpoint["sinklm_sink_token_ids"] == data.sink_ids == []
+    assert checkpoint["sinklm_data"] == data.identity()
+    model, tokenizer, sink_ids = load_trained(checkpoint, path)
+    assert tokenizer.to_str() == data.tokenizer.to_str() and sink_ids == []
+    ids = torch.randint(0, 640, (2, 64), generator=torch.Generator().manual_seed(0))
+    module.eval()
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids), module(ids))
+    # Evaluation reads it in a fresh process without Lightning or any sinklm.train class.
+    code = (
+        "import sys\nfrom sinklm.eval.checkpoint import load_checkpoint\n"
+        f"load_checkpoint({str(path)!r})\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'lightning'\n"
+        "            or m.startswith('sinklm.train')], 'imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_lightning_fsdp1_is_refused_with_the_fix() -> None:

@@ -34,8 +34,10 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
+from sinklm.data.errors import CommandError, check_at_least
+
+from .cli import bundled_file
+
 VARIANTS = ("vanilla", "zero_sink", "sink_token")
 LAB_DATA = "data/bigram_backcopy.yaml"
 LOCAL_DATA = Path("../shared/data")
@@ -49,7 +51,7 @@ PYTHIA_CACHE = 1024
 HUB_TIMEOUT_S = 3.0
 
 
-class DemoError(RuntimeError):
+class DemoError(CommandError):
     """A demo step cannot run; the message says what to do."""
 
 
@@ -85,7 +87,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "         sinklm demo --data ../shared/data --pythia EleutherAI/pythia-160m\n"
         "         sinklm demo --steps 2 --lab-steps 2 --max-eval-tokens 2000 "
         "--output-dir runs/demo-smoke",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--only", choices=("lab", "text"),
                         help="run one part: the sink lab or the natural-text models")
@@ -140,11 +141,16 @@ def hub_unreachable() -> str | None:
     return None
 
 
-def _config(name: str) -> dict[str, Any]:
-    path = CONFIGS / name
+def _config_file(name: str) -> Path:
+    """A config the demo runs, e.g. ``data/bigram_backcopy.yaml``, installed with sinklm."""
+    path = bundled_file(f"configs/{name}")
     if not path.is_file():
-        raise DemoError(f"{path} not found: the demo runs from a sinklm checkout (configs/)")
-    return yaml.safe_load(path.read_text())
+        raise DemoError(f"{path} not found: this sinklm install lacks its configs; reinstall it")
+    return path
+
+
+def _config(name: str) -> dict[str, Any]:
+    return yaml.safe_load(_config_file(name).read_text())
 
 
 def local_data(data: Path, book: Path | None) -> DemoData:
@@ -222,8 +228,8 @@ def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str
 
     from sinklm.train.fit import newest_checkpoint, run_fit
 
-    config_path = CONFIGS / "experiments" / f"{family}-{variant}.yaml"
-    config = _config(f"experiments/{family}-{variant}.yaml")
+    config_path = _config_file(f"experiments/{family}-{variant}.yaml")
+    config = yaml.safe_load(config_path.read_text())
     steps = steps or config["trainer"]["max_steps"]
     settings = {"config": _sha256(config_path), "steps": steps, "fit_args": fit_args,
                 "tokenizer_hash": meta["tokenizer_hash"],
@@ -276,32 +282,25 @@ def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     stamps: dict[str, float] = {}
     lab = text = None
-    try:
-        for name, value, low in (("--steps", args.steps, 1), ("--lab-steps", args.lab_steps, 1),
-                                 ("--max-eval-tokens", args.max_eval_tokens, 2),
-                                 ("--lab-eval-tokens", args.lab_eval_tokens, 2),
-                                 ("--threads", args.threads, 1)):
-            if value is not None and value < low:
-                raise DemoError(f"{name} {value}: must be at least {low}")
-        if args.book is not None and not args.book.is_file():
-            raise DemoError(f"--book {args.book}: no such file")
-        if args.data is not None and not args.data.is_dir():
-            raise DemoError(f"--data {args.data}: no such folder")
-        if args.threads is not None:
-            import torch
+    check_at_least(("--steps", args.steps, 1), ("--lab-steps", args.lab_steps, 1),
+                   ("--max-eval-tokens", args.max_eval_tokens, 2),
+                   ("--lab-eval-tokens", args.lab_eval_tokens, 2), ("--threads", args.threads, 1))
+    if args.book is not None and not args.book.is_file():
+        raise DemoError(f"--book {args.book}: no such file")
+    if args.data is not None and not args.data.is_dir():
+        raise DemoError(f"--data {args.data}: no such folder")
+    if args.threads is not None:
+        import torch
 
-            torch.set_num_threads(args.threads)
-        # The natural-text data is resolved first: a missing corpus is refused before any
-        # training, not after the sink lab.
-        data = text_data(args) if args.only in (None, "text") else None
-        if args.only in (None, "lab"):
-            lab = run_lab(args)
-            stamps["sink lab"] = time.perf_counter() - start
-        if data is not None:
-            text = run_text(args, data, stamps)
-    except DemoError as error:
-        print(f"sinklm demo: {error}", file=sys.stderr)
-        return 2
+        torch.set_num_threads(args.threads)
+    # The natural-text data is resolved first: a missing corpus is refused before any
+    # training, not after the sink lab.
+    data = text_data(args) if args.only in (None, "text") else None
+    if args.only in (None, "lab"):
+        lab = run_lab(args)
+        stamps["sink lab"] = time.perf_counter() - start
+    if data is not None:
+        text = run_text(args, data, stamps)
     if lab is not None:
         print_lab(lab, args)
     if text is not None:

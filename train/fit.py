@@ -16,14 +16,12 @@ import difflib
 import importlib
 import inspect
 import logging
-import pickle
 import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -31,13 +29,20 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
 from sinklm.data.errors import DataError
+from sinklm.models.checkpoint import (
+    CHECKPOINT_KEY,
+    DATA_KEY,
+    SINK_IDS_KEY,
+    CheckpointFormatError,
+    read_checkpoint,
+)
 from sinklm.models.config import VARIANTS, ConfigError, ModelConfig, variant_name
 
 from .batching import check_global_batch
 from .callbacks import SinkProbe, StepCheckpoint, StepProgressBar, Throughput
 from .data_module import SinkLMDataModule
 from .fit_cli import DESCRIPTION, USAGE
-from .module import CHECKPOINT_KEY, DATA_KEY, SINK_IDS_KEY, OptimizerConfig, SinkLMModule
+from .module import OptimizerConfig, SinkLMModule
 
 # LightningCLI options (removed here) that would replace the recipe's optimizer and schedule.
 LIGHTNING_OPTIMIZER_OPTIONS = ("optimizer", "lr_scheduler")
@@ -75,24 +80,6 @@ def check_strategy(strategy: Strategy) -> None:
             "--trainer.strategy sinklm.train.parallel.FullyShardedStrategy (FSDP2, one unit per "
             "block, full-state checkpoints)"
         )
-
-
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint at ``path``, or a ConfigError saying why it cannot be resumed from."""
-    fix = "point --ckpt_path at a .ckpt written by `sinklm fit`, or use --ckpt_path auto"
-    if not path.is_file():
-        raise ConfigError(f"ckpt_path={path}: no such checkpoint file; {fix}")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
-        raise ConfigError(
-            f"ckpt_path={path}: cannot be read as a checkpoint (damaged, cut short, or another "
-            f"kind of file); {fix}"
-        ) from None
-    if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint:
-        raise ConfigError(f"ckpt_path={path} was not written by `sinklm fit` (no model config); "
-                          f"{fix}")
-    return checkpoint
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -140,7 +127,13 @@ def check_resume_compatible(path: Path, config: ModelConfig,
                             data: SinkLMDataModule) -> str | None:
     """Refuse a checkpoint of another model, sink ids, tokenizer or data, in one line naming
     each difference; return a note when the checkpoint predates recording its data."""
-    checkpoint = read_checkpoint(path)
+    try:
+        checkpoint = read_checkpoint(path)
+    except CheckpointFormatError as error:  # its message starts with the path
+        raise ConfigError(
+            f"ckpt_path={error}; point --ckpt_path at a .ckpt written by `sinklm fit`, or use "
+            "--ckpt_path auto"
+        ) from None
     differences = resume_differences(checkpoint, config, data)
     if differences:
         raise ConfigError(

@@ -1,8 +1,9 @@
 """The LightningModule: next-token loss, Pythia's AdamW groups, warmup + cosine schedule.
 
-Everything about *what* is trained lives in ``ModelConfig`` (models/); this module adds only
-how it is optimised, and guards against non-finite losses so good weights are never replaced
-by poisoned ones.
+Everything about *what* is trained lives in ``ModelConfig`` (models/), and what its checkpoints
+record beside the weights in ``models/checkpoint.py``; this module adds only how it is
+optimised, and guards against non-finite losses so good weights are never replaced by poisoned
+ones.
 """
 
 from __future__ import annotations
@@ -19,18 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sinklm.models import CausalLM, ModelConfig
+from sinklm.models.checkpoint import write_entries
 from sinklm.models.config import VARIANTS, ConfigError
 
 from .parallel import shard_model, total_norm
-
-# Where a checkpoint records the model it holds, so a resume into another model is refused.
-CHECKPOINT_KEY = "sinklm_model_config"
-# Where it records the tokenizer (with its sink tokens) and the sink ids, for evaluation.
-TOKENIZER_KEY = "sinklm_tokenizer"
-SINK_IDS_KEY = "sinklm_sink_token_ids"
-# Where it records its data (tokenizer hash, source fingerprint), so a resume on other data is
-# refused; checkpoints written before this key existed lack it.
-DATA_KEY = "sinklm_data"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -118,6 +111,9 @@ class SinkLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # Plain values, not the dataclass: unpickling a checkpoint then needs no sinklm.train
+        # class, so evaluation reads it without importing Lightning.
+        self.hparams["optimizer"] = optimizer_settings(optimizer)
         if variant is not None and variant not in VARIANTS:
             raise ConfigError(f"model.variant={variant!r}: allowed {sorted(VARIANTS)}")
         config = ModelConfig.from_preset(preset, variant=variant, **(model_overrides or {}))
@@ -215,12 +211,13 @@ class SinkLMModule(L.LightningModule):
         return f"{what} at step {self.global_step}"
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = self.config.to_dict()
+        """Record the model, and the data's tokenizer, sink ids and identity (the format is
+        ``sinklm.models.checkpoint``'s, shared with the resume check and evaluation)."""
         data = getattr(self.trainer, "datamodule", None)
-        if getattr(data, "tokenizer", None) is not None:
-            checkpoint[TOKENIZER_KEY] = data.tokenizer.to_str()
-            checkpoint[SINK_IDS_KEY] = list(data.sink_ids)
-            checkpoint[DATA_KEY] = data.identity()
+        if getattr(data, "tokenizer", None) is None:
+            write_entries(checkpoint, self.config)
+        else:
+            write_entries(checkpoint, self.config, data.tokenizer, data.sink_ids, data.identity())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Note what the checkpoint was trained with; ``on_train_start`` applies this run's."""

@@ -21,12 +21,12 @@ from typing import Any
 
 import yaml
 
+from sinklm.data.errors import CommandError
 from sinklm.models.config import ConfigError
 
 from .batching import check_global_batch, plan_batch
+from .cli import bundled_file
 
-# The template lives in the source tree's slurm/ folder (sinklm installs editable from it).
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "job.sbatch"
 # `sinklm fit` settings the script depends on, read from the arguments after `--` as well.
 OVERRIDDEN = ("data.micro_batch_size", "data.global_batch_size",
               "trainer.accumulate_grad_batches", "trainer.default_root_dir")
@@ -133,7 +133,7 @@ def render(
     if account:
         directives.append(f"#SBATCH --account={account}")
     sinklm = shutil.which("sinklm") or f"{sys.executable} -m sinklm.train.cli"
-    script = Template(TEMPLATE.read_text()).substitute(
+    script = Template(bundled_file("slurm/job.sbatch").read_text()).substitute(
         job_name=job_name or f"sinklm-{config.stem}",
         nodes=nodes,
         gpus_per_node=gpus_per_node,
@@ -158,7 +158,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "SIGUSR1 requeue) and submit it with sbatch, or print it with --dry-run.",
         epilog="example: sinklm slurm-submit --config configs/experiments/pythia-160m-sink_token"
         ".yaml --nodes 1 --gpus-per-node 8 --partition gpu --dry-run",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, required=True, help="a `sinklm fit` YAML config")
     parser.add_argument("--nodes", type=int, default=1)
@@ -180,8 +179,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.config.is_file():
-        print(f"sinklm slurm-submit: config {args.config} does not exist", file=sys.stderr)
-        return 2
+        raise CommandError(f"config {args.config} does not exist")
     fit_args = [a for a in args.fit_args if a != "--"]
     try:
         job = render(
@@ -190,17 +188,15 @@ def run(args: argparse.Namespace) -> int:
             job_name=args.job_name, fit_args=fit_args,
         )
     except (ConfigError, yaml.YAMLError, KeyError, ValueError) as error:
-        print(f"sinklm slurm-submit: {error}", file=sys.stderr)
-        return 2
+        raise CommandError(error) from None
     if job.batch:
         print(f"sinklm slurm-submit: {job.batch}", file=sys.stderr)
     if args.dry_run:
         print(job.script)
         return 0
     if shutil.which("sbatch") is None:
-        print("sinklm slurm-submit: sbatch is not on PATH (not a SLURM login node?); "
-              "use --dry-run to see the script", file=sys.stderr)
-        return 2
+        raise CommandError("sbatch is not on PATH (not a SLURM login node?); use --dry-run to "
+                           "see the script")
     # SLURM opens --output before the job starts and does not create its folder: without it
     # the job fails with no log at all.
     job.log_dir.mkdir(parents=True, exist_ok=True)
