@@ -26,6 +26,9 @@ SINK_IDS_KEY = "sinklm_sink_token_ids"
 # Where it records its data (tokenizer hash, source fingerprint), so a resume on other data is
 # refused; checkpoints written before this key existed lack it.
 DATA_KEY = "sinklm_data"
+# Where it records the trainer.max_steps its lr schedule spans, so a resume that changes it
+# (and with it the cosine's shape from the resumed step on) says so.
+SCHEDULE_KEY = "sinklm_schedule"
 # The training module holds the network as ``self.model``: its weights' prefix in state_dict.
 STATE_PREFIX = "model."
 

@@ -89,12 +89,29 @@ def test_changed_optimizer_settings_win_and_are_named(
     assert all(state["step"] == 4 for state in saved["optimizer_states"][0]["state"].values())
 
 
-def test_unchanged_optimizer_settings_resume_without_a_note(
+def test_longer_run_follows_the_new_schedule_and_says_so(
     train_data: TinyData, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A longer trainer.max_steps is not an optimizer setting: the schedule follows it, quietly."""
+    """A longer trainer.max_steps is not an optimizer setting (no such note), but it reshapes
+    the cosine from the resumed step on: one line names it with the lr before and after."""
     config = tiny_config(train_data, tmp_path / "run", steps=4, checkpoint_every=4)
     assert fit(config, tmp_path / "b.yaml", "--ckpt_path", str(checkpoint)) == 0
-    assert notes(capsys.readouterr().err) == []
+    err = capsys.readouterr().err
+    assert notes(err) == []
+    # By hand: warmup 1 step; at step 2 the cosine over 2 steps has ended (lr A * 0.1), over 4
+    # it is a third of the way down (A * (0.1 + 0.9 * 0.5 * (1 + cos(pi / 3))) = A * 0.775).
+    schedule = [line for line in err.splitlines() if "trainer.max_steps" in line]
+    assert schedule == ["sinklm fit: resuming with trainer.max_steps 2 -> 4: the warmup + cosine "
+                        "schedule now spans 4 steps (lr at step 2: 0.0003 -> 0.00233)"]
     expected = {step: A * lr_multiplier(step, 4, 0.01, 0.1) for step in (2, 3)}
     assert logged_lrs(tmp_path / "run") == pytest.approx(expected, rel=1e-6)
+    assert expected[2] == pytest.approx(A * 0.775)
+
+
+def test_same_max_steps_resumes_without_a_note(
+    train_data: TinyData, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = tiny_config(train_data, tmp_path / "run", steps=2, checkpoint_every=2)
+    assert fit(config, tmp_path / "b.yaml", "--ckpt_path", str(checkpoint)) == 0
+    err = capsys.readouterr().err
+    assert notes(err) == [] and "trainer.max_steps" not in err

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sinklm.models import CausalLM, ModelConfig
-from sinklm.models.checkpoint import write_entries
+from sinklm.models.checkpoint import SCHEDULE_KEY, write_entries
 from sinklm.models.config import VARIANTS, ConfigError
 
 from .parallel import shard_model, total_norm
@@ -133,6 +133,7 @@ class SinkLMModule(L.LightningModule):
         # it does not say), so a resume applies this run's settings and names the changes.
         self._resumed = False
         self._saved_optimizer: dict[str, Any] | None = None
+        self._saved_max_steps: int | None = None
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # FullyShardedStrategy: FSDP2 over its mesh
@@ -218,6 +219,7 @@ class SinkLMModule(L.LightningModule):
             write_entries(checkpoint, self.config)
         else:
             write_entries(checkpoint, self.config, data.tokenizer, data.sink_ids, data.identity())
+        checkpoint[SCHEDULE_KEY] = {"max_steps": self.trainer.max_steps}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Note what the checkpoint was trained with; ``on_train_start`` applies this run's."""
@@ -225,6 +227,7 @@ class SinkLMModule(L.LightningModule):
         saved = checkpoint.get("hyper_parameters")
         self._saved_optimizer = (optimizer_settings(saved.get("optimizer"))
                                  if isinstance(saved, dict) else None)
+        self._saved_max_steps = (checkpoint.get(SCHEDULE_KEY) or {}).get("max_steps")
 
     def on_train_start(self) -> None:
         """On a resume, the configured ``model.optimizer`` wins over the checkpoint's.
@@ -235,7 +238,8 @@ class SinkLMModule(L.LightningModule):
         they are set from the config; the Adam moments and step counts, and the schedule's
         step, stay restored. The schedule's lambda is not saved in checkpoints: it is this
         run's (warmup_fraction, min_lr_ratio, trainer.max_steps), so the current lr is
-        recomputed from it too. Any change is named in one line.
+        recomputed from it too. Any change is named in one line, and so is a changed
+        ``trainer.max_steps``: it reshapes the schedule from the resumed step on.
         """
         if not self._resumed:
             return
@@ -257,6 +261,14 @@ class SinkLMModule(L.LightningModule):
         if changes and self.trainer.is_global_zero:
             print(f"sinklm fit: resuming with changed optimizer settings: {', '.join(changes)}",
                   file=sys.stderr)
+        saved_total, total = self._saved_max_steps, self.trainer.max_steps
+        if saved_total is not None and saved_total != total and self.trainer.is_global_zero:
+            step = scheduler.last_epoch
+            before = self.optim.lr * lr_multiplier(step, saved_total, self.optim.warmup_fraction,
+                                                   self.optim.min_lr_ratio)
+            print(f"sinklm fit: resuming with trainer.max_steps {saved_total} -> {total}: the "
+                  f"warmup + cosine schedule now spans {total} steps (lr at step {step}: "
+                  f"{before:.3g} -> {optimizer.param_groups[0]['lr']:.3g})", file=sys.stderr)
 
     def configure_optimizers(self) -> dict[str, Any]:
         total = self.trainer.max_steps
