@@ -24,10 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sinklm.cli.main import UserError
+
 SPEC_HELP = "X+Y with integers X, Y >= 0 (e.g. 4+1020), 'dense', or 'recompute:L[:S]'"
 
 
-class CacheSpecError(ValueError):
+class CacheSpecError(UserError, ValueError):
     """A cache spec string is malformed; the message quotes it and shows the accepted forms."""
 
 

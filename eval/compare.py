@@ -31,9 +31,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from sinklm.cli.main import UserError
+from sinklm.cli.outputs import write_atomic
+from sinklm.models.load import DTYPES, HUB_ID, Checkpoint, CheckpointError, load_checkpoint
+
 from .cache import CachePolicy, CacheSpecError, Dense, StartRecent, check_policies, paper_caches
-from .checkpoint import DTYPES, HUB_ID, Checkpoint, CheckpointError, load_checkpoint
-from .outputs import write_atomic
 from .plots import figure
 from .report import format_ppl, markdown_table, plot_running_ppl
 from .sinks import measure_text
@@ -67,7 +69,7 @@ DEPENDENCE_RATIO = 1.1
 MODEL_SETTING = {"fields": ["describe", "sink_token_ids", "training_sinks"]}
 
 
-class CompareError(ValueError):
+class CompareError(UserError, ValueError):
     """Bad input to a comparison (output folder, repeated checkpoint); the message says why."""
 
 

@@ -27,8 +27,8 @@ from torch import Tensor
 from sinklm.data.sinks import SinkPrefix
 from sinklm.data.synthetic import trigger_token_ids
 from sinklm.models import CausalLM
+from sinklm.models.load import Checkpoint
 
-from .checkpoint import Checkpoint
 from .plots import figure
 
 TOKEN_CLASSES = ("first", "sink_ids", "newline", "punctuation", "other")

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sinklm.cli.main import UserError
 from sinklm.data.sinks import SinkPrefix
 from sinklm.models import CausalLM, KVCache
 from sinklm.models.attention import sink_softmax
@@ -103,7 +104,7 @@ def _output(ids: Tensor, n_sink_ids: int) -> Tensor:
     return torch.empty(len(ids) - n_sink_ids - 1, device=ids.device)
 
 
-class StreamError(ValueError):
+class StreamError(UserError, ValueError):
     """A stream the model cannot be evaluated on; the message says why."""
 
 

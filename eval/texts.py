@@ -17,13 +17,14 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from sinklm.cli.main import UserError
 from sinklm.data.errors import DataError
 from sinklm.data.packing import SPLITS, read_meta, read_split
 from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import tokenizer_hash
 
 
-class TextSourceError(ValueError):
+class TextSourceError(UserError, ValueError):
     """A text source cannot be read; the message names it."""
 
 

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sinklm.cli.main import UserError
+
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
     from lm_eval.tasks import TaskManager
@@ -44,7 +46,7 @@ LOCAL_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 FILE_KEYS = ("data_files", "labels_files")
 
 
-class ZeroshotError(ValueError):
+class ZeroshotError(UserError, ValueError):
     """Bad input to a zero-shot run (task name, data folder, setting); the message says what
     to pass instead."""
 

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from tokenizers import Tokenizer
 
+from sinklm.cli.main import UserError
+
 from .config import ModelConfig
 from .model import CausalLM
 
@@ -33,7 +35,7 @@ SCHEDULE_KEY = "sinklm_schedule"
 STATE_PREFIX = "model."
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(UserError, ValueError):
     """A file is not a usable `sinklm fit` checkpoint; the one-line message starts with its path,
     so a caller can prefix it (``ckpt_path=``) or add its own fix."""
 

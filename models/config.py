@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from sinklm.cli.main import UserError
+
 Softmax = Literal["softmax", "softmax1", "sink_logit", "gated"]
 Backend = Literal["eager", "sdpa", "flex", "flash"]
 SOFTMAX_VARIANTS: tuple[str, ...] = ("softmax", "softmax1", "sink_logit", "gated")
@@ -35,7 +37,7 @@ def variant_name(config: ModelConfig) -> str:
     return named[0] if named else f"{point[0]}+{point[1]}sinks"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is out of range; the message names the field and what is allowed."""
 
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from sinklm.train.cli import build_parser, main
+from sinklm.cli.main import build_parser, main
 
 HEAVY = ("torch", "lightning", "transformers", "datasets", "lm_eval", "matplotlib")
 
@@ -36,7 +36,7 @@ def commands() -> list[str]:
 
 
 def test_building_the_parser_imports_no_heavy_module() -> None:
-    code = "from sinklm.train.cli import build_parser\nbuild_parser()"
+    code = "from sinklm.cli.main import build_parser\nbuild_parser()"
     assert heavy_modules_after(code) == []
 
 
@@ -45,7 +45,7 @@ def test_help_and_argument_errors_import_no_heavy_module() -> None:
     argvs = [["--help"], *([name, "--help"] for name in commands() if name != "fit"),
              ["stream-eval", "--no-such-flag"], ["sinks", "--dtype", "float8"]]
     code = (
-        "import contextlib, io\nfrom sinklm.train.cli import main\n"
+        "import contextlib, io\nfrom sinklm.cli.main import main\n"
         f"for argv in {argvs!r}:\n"
         "    with contextlib.redirect_stdout(io.StringIO()), "
         "contextlib.redirect_stderr(io.StringIO()):\n"

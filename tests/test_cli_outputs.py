@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sinklm.cli.outputs import output_refusal, write_atomic
 from sinklm.data.tokenizer import train_tokenizer
-from sinklm.eval.checkpoint import Checkpoint
-from sinklm.eval.outputs import output_refusal, write_atomic
 from sinklm.models import CausalLM, ModelConfig
+from sinklm.models.load import Checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(
 
 
 def test_exported_weights_get_the_umasks_mode(tmp_path: Path, umask: int) -> None:
-    from sinklm.eval.export import export_model
+    from sinklm.models.hub import export_model
 
     tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20,
                                 vocab_size=290, min_frequency=1)

@@ -18,14 +18,14 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from sinklm.cli.main import main as sinklm_main
 from sinklm.data.tokenizer import sink_token_ids
 from sinklm.eval import compare as compare_module
-from sinklm.eval.checkpoint import Checkpoint
 from sinklm.eval.compare import training_sinks_markdown, unique_labels
-from sinklm.eval.export import export_model
 from sinklm.eval.report import markdown_table
 from sinklm.models import CausalLM, ModelConfig
-from sinklm.train.cli import main as sinklm_main
+from sinklm.models.hub import export_model
+from sinklm.models.load import Checkpoint
 
 CACHES = "0+16,1+15,4+12,dense"
 TOKENS = "400"

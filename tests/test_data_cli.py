@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sinklm.cli.main import main
 from sinklm.data import PrepareConfig, load_tokenizer, read_meta, sink_token_ids
-from sinklm.train.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "Call me Ishmael. Some years ago, never mind how long precisely, I went to sea.\n" * 40

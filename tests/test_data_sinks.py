@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 
 from sinklm.data import DataError, load_tokenizer, sink_token_ids
 from sinklm.data.sinks import SinkPrefix
-from sinklm.eval.export import export_tokenizer
 from sinklm.models import ModelConfig
+from sinklm.models.hub import export_tokenizer
 
 TEXT = "Hello world. It was the best of times,\n\tit was the worst of times <|endoftext|> 12345"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sinklm.cli.main import main as sinklm_main
 from sinklm.data import DataError, PrepareConfig, prepare_data, sink_token_ids
 from sinklm.data.packing import read_split
 from sinklm.data.synthetic import (
@@ -20,7 +21,6 @@ from sinklm.data.synthetic import (
     trigger_token_ids,
 )
 from sinklm.data.tokenizer import tokenizer_hash
-from sinklm.train.cli import main as sinklm_main
 
 SMALL = {"synthetic": "bigram-backcopy", "vocab": 16, "triggers": 2, "successors": 6,
          "doc_tokens": 500, "tokens": 5_000}

@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from sinklm.eval.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from sinklm.cli.main import main  # noqa: E402
 from sinklm.eval.texts import encode_streams, split_dataset_spec  # noqa: E402
 from sinklm.models import CausalLM, ModelConfig  # noqa: E402
 from sinklm.models.convert import hf_config_from  # noqa: E402
-from sinklm.train.cli import main  # noqa: E402
+from sinklm.models.load import CheckpointError, load_checkpoint  # noqa: E402
 
 SHARED_DATA = Path(
     os.environ.get("SINKLM_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")

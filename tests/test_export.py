@@ -20,9 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer  # noqa: E402
 
+from sinklm.cli.main import main as sinklm_main  # noqa: E402
 from sinklm.data.tokenizer import sink_token_ids, train_tokenizer  # noqa: E402
-from sinklm.eval.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from sinklm.eval.export import (  # noqa: E402
+from sinklm.models import CausalLM, ModelConfig  # noqa: E402
+from sinklm.models.hub import (  # noqa: E402
     NETWORK_FILES,
     WRAPPER_FILES,
     ExportError,
@@ -32,8 +33,7 @@ from sinklm.eval.export import (  # noqa: E402
     find_training_recipe,
     push_to_hub,
 )
-from sinklm.models import CausalLM, ModelConfig  # noqa: E402
-from sinklm.train.cli import main as sinklm_main  # noqa: E402
+from sinklm.models.load import Checkpoint, load_checkpoint  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. A sink token sits in front of every text."
 VOCAB = 320  # embedding rows; the trained tokenizer uses fewer, leaving room for sinks

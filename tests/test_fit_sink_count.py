@@ -11,8 +11,8 @@ import torch
 import yaml
 from helpers.train_data import TinyData, tiny_config
 
-from sinklm.eval.checkpoint import CheckpointError, load_checkpoint
 from sinklm.models.checkpoint import SINK_IDS_KEY
+from sinklm.models.load import CheckpointError, load_checkpoint
 from sinklm.train.fit import run_fit
 
 

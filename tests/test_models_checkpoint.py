@@ -24,7 +24,7 @@ from sinklm.models.checkpoint import (
 def test_evaluation_imports_neither_lightning_nor_train() -> None:
     """The dependency arrows point one way: eval loads checkpoints through models/ alone."""
     code = (
-        "import sys, sinklm.eval.checkpoint\n"
+        "import sys, sinklm.models.load\n"
         "assert 'lightning' not in sys.modules, 'lightning'\n"
         "train = [m for m in sys.modules if m == 'sinklm.train' or m.startswith('sinklm.train.')]\n"
         "assert not train, train\n"

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from sinklm.cli.info import count_params
+from sinklm.cli.main import main as sinklm_main
 from sinklm.models import CausalLM, ConfigError, ModelConfig
-from sinklm.models.cli import count_params
-from sinklm.train.cli import main as sinklm_main
 
 # The released Pythia models' parameter counts (vanilla; embedding padded to 50304 rows).
 PYTHIA_PARAMS = {

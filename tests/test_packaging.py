@@ -72,7 +72,7 @@ def test_the_installed_copy_is_imported_not_the_checkout(site: Path) -> None:
 def test_every_config_and_the_template_ship_and_are_found(site: Path) -> None:
     shipped = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml"))
     shipped.append("slurm/job.sbatch")
-    code = ("import json\nfrom sinklm.train.cli import bundled_file\n"
+    code = ("import json\nfrom sinklm.cli.main import bundled_file\n"
             f"print(json.dumps([str(bundled_file(p)) for p in {shipped!r}]))")
     for name, found in zip(shipped, json.loads(python(site, code)), strict=True):
         assert Path(found) == site / "sinklm" / name
@@ -95,7 +95,7 @@ def test_demo_help(site: Path) -> None:
 
 
 def test_slurm_submit_dry_run_with_a_bundled_config(site: Path) -> None:
-    config = python(site, f"from sinklm.train.cli import bundled_file\n"
+    config = python(site, f"from sinklm.cli.main import bundled_file\n"
                           f"print(bundled_file({CONFIG!r}))")
     assert Path(config).is_relative_to(site)
     done = run_installed(site, str(site / "bin" / "sinklm"), "slurm-submit", "--config", config,

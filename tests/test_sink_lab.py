@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 
+from sinklm.cli.main import main as sinklm_main
 from sinklm.data.packing import validation_documents
 from sinklm.data.synthetic import BigramBackcopySpec, SyntheticSource
-from sinklm.eval.checkpoint import load_checkpoint
 from sinklm.eval.texts import TextSourceError, packed_streams
-from sinklm.train.cli import main as sinklm_main
+from sinklm.models.load import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -109,7 +109,7 @@ def _generate(source: SyntheticSource, index: int, length: int) -> list[np.ndarr
 
 def test_the_lab_model_exports_as_a_plain_gpt_neox(lab: dict[str, Path]) -> None:
     transformers = pytest.importorskip("transformers")
-    from sinklm.eval.export import export_model
+    from sinklm.models.hub import export_model
 
     checkpoint = load_checkpoint(lab["checkpoint"])
     folder = export_model(checkpoint, lab["root"] / "export")

@@ -127,7 +127,7 @@ def test_fully_sharded_matches_ddp_and_resumes_exactly(train_data: TinyData,
     for name in a:  # full tensors, not shards
         assert b[name].shape == a[name].shape
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-3, msg=name)
-    from sinklm.eval.checkpoint import load_checkpoint
+    from sinklm.models.load import load_checkpoint
 
     evaluated = load_checkpoint(sharded / "checkpoints" / final).model.state_dict()
     assert all(torch.equal(value, b[f"model.{name}"]) for name, value in evaluated.items())
@@ -227,8 +227,8 @@ def test_checkpoint_loads_for_evaluation(train_data: TinyData, tmp_path: Path) -
     with its sink token, sink ids; and `sinklm stream-eval` runs on it."""
     from tokenizers import Tokenizer
 
-    from sinklm.eval.checkpoint import load_checkpoint
-    from sinklm.train.cli import main as sinklm_main
+    from sinklm.cli.main import main as sinklm_main
+    from sinklm.models.load import load_checkpoint
 
     root = tmp_path / "run"
     config = tiny_config(train_data, root, steps=2, checkpoint_every=2)
@@ -269,8 +269,8 @@ def test_checkpoint_exports_for_transformers(train_data: TinyData, tmp_path: Pat
     and its tokenizer puts the sink in front of the text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sinklm.eval.checkpoint import load_checkpoint
-    from sinklm.train.cli import main as sinklm_main
+    from sinklm.cli.main import main as sinklm_main
+    from sinklm.models.load import load_checkpoint
 
     root = tmp_path / "run"
     assert_ok(run_fit(write_config(tmp_path / "a.yaml",

@@ -221,7 +221,7 @@ def test_saved_checkpoint_loads_the_trained_network(train_data: TinyData, tmp_pa
         assert torch.equal(model.eval()(ids), module(ids))
     # Evaluation reads it in a fresh process without Lightning or any sinklm.train class.
     code = (
-        "import sys\nfrom sinklm.eval.checkpoint import load_checkpoint\n"
+        "import sys\nfrom sinklm.models.load import load_checkpoint\n"
         f"load_checkpoint({str(path)!r})\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'lightning'\n"
         "            or m.startswith('sinklm.train')], 'imported'\n"

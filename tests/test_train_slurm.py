@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sinklm.cli.main import main as sinklm_main
 from sinklm.models.config import ConfigError
 from sinklm.train.batching import check_global_batch, plan_batch
-from sinklm.train.cli import main as sinklm_main
 from sinklm.train.slurm import fit_overrides, render
 
 REPO = Path(__file__).resolve().parents[1]

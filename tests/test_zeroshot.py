@@ -20,9 +20,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from sinklm.cli.main import main as sinklm_main  # noqa: E402
 from sinklm.data.tokenizer import sink_token_ids  # noqa: E402
-from sinklm.eval.checkpoint import Checkpoint  # noqa: E402
-from sinklm.eval.export import export_model  # noqa: E402
 from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize  # noqa: E402
 from sinklm.eval.zeroshot_tasks import (  # noqa: E402
     PAPER_TASKS,
@@ -33,7 +32,8 @@ from sinklm.eval.zeroshot_tasks import (  # noqa: E402
     winogrande_record,
 )
 from sinklm.models import CausalLM, ModelConfig  # noqa: E402
-from sinklm.train.cli import main as sinklm_main  # noqa: E402
+from sinklm.models.hub import export_model  # noqa: E402
+from sinklm.models.load import Checkpoint  # noqa: E402
 
 SHARED = Path(
     os.environ.get("SINKLM_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
+from sinklm.cli.fit import DESCRIPTION, USAGE
 from sinklm.data.errors import DataError
 from sinklm.models.checkpoint import (
     CHECKPOINT_KEY,
@@ -41,7 +42,6 @@ from sinklm.models.config import VARIANTS, ConfigError, ModelConfig, variant_nam
 from .batching import check_global_batch
 from .callbacks import SinkProbe, StepCheckpoint, StepProgressBar, Throughput
 from .data_module import SinkLMDataModule
-from .fit_cli import DESCRIPTION, USAGE
 from .module import OptimizerConfig, SinkLMModule
 
 # LightningCLI options (removed here) that would replace the recipe's optimizer and schedule.

@@ -21,11 +21,10 @@ from typing import Any
 
 import yaml
 
-from sinklm.data.errors import CommandError
+from sinklm.cli.main import UserError, bundled_file
 from sinklm.models.config import ConfigError
 
 from .batching import check_global_batch, plan_batch
-from .cli import bundled_file
 
 # `sinklm fit` settings the script depends on, read from the arguments after `--` as well.
 OVERRIDDEN = ("data.micro_batch_size", "data.global_batch_size",
@@ -132,7 +131,7 @@ def render(
     directives = [f"#SBATCH --partition={partition}"] if partition else []
     if account:
         directives.append(f"#SBATCH --account={account}")
-    sinklm = shutil.which("sinklm") or f"{sys.executable} -m sinklm.train.cli"
+    sinklm = shutil.which("sinklm") or f"{sys.executable} -m sinklm.cli.main"
     script = Template(bundled_file("slurm/job.sbatch").read_text()).substitute(
         job_name=job_name or f"sinklm-{config.stem}",
         nodes=nodes,
@@ -179,7 +178,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.config.is_file():
-        raise CommandError(f"config {args.config} does not exist")
+        raise UserError(f"config {args.config} does not exist")
     fit_args = [a for a in args.fit_args if a != "--"]
     try:
         job = render(
@@ -188,14 +187,14 @@ def run(args: argparse.Namespace) -> int:
             job_name=args.job_name, fit_args=fit_args,
         )
     except (ConfigError, yaml.YAMLError, KeyError, ValueError) as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     if job.batch:
         print(f"sinklm slurm-submit: {job.batch}", file=sys.stderr)
     if args.dry_run:
         print(job.script)
         return 0
     if shutil.which("sbatch") is None:
-        raise CommandError("sbatch is not on PATH (not a SLURM login node?); use --dry-run to "
+        raise UserError("sbatch is not on PATH (not a SLURM login node?); use --dry-run to "
                            "see the script")
     # SLURM opens --output before the job starts and does not create its folder: without it
     # the job fails with no log at all.

@@ -89,6 +89,6 @@ def run_fit(config_path: Path, *args: str, env: dict[str, str] | None = None,
     full_env = {**os.environ, "PYTHONPATH": str(PROBES), "WANDB_MODE": "offline",
                 **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "sinklm.train.cli", "fit", "--config", str(config_path), *args],
+        [sys.executable, "-m", "sinklm.cli.main", "fit", "--config", str(config_path), *args],
         capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO,
     )

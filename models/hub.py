@@ -33,16 +33,16 @@ import yaml
 from tokenizers import Tokenizer
 
 import sinklm.models
+from sinklm.cli.main import UserError
+from sinklm.cli.outputs import make_readable
 from sinklm.data.errors import DataError
 from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import PAD_TOKEN, eod_token_id, sink_token_ids
+from sinklm.eval.zeroshot_tasks import RESULTS_KIND
 from sinklm.models import ModelConfig
 from sinklm.models.configuration_sinklm import MODEL_TYPE
 from sinklm.models.convert import hf_config_from, to_hf_state_dict
-
-from .checkpoint import Checkpoint
-from .outputs import make_readable
-from .zeroshot_tasks import RESULTS_KIND
+from sinklm.models.load import Checkpoint
 
 # sinklm's network files that modeling_sinklm.py imports (relatively), and the wrapper itself.
 NETWORK_FILES = ("config.py", "attention.py", "model.py", "convert.py")
@@ -63,11 +63,11 @@ ATTENTION = {
 }
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The export cannot be written as asked; the message says why and what to do."""
 
 
-class HubError(RuntimeError):
+class HubError(UserError, RuntimeError):
     """The Hub upload cannot happen (no token, no network); the export folder is intact."""
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sinklm.data.errors import CommandError, check_at_least
-
-from .cli import check_device, user_errors
-from .options import DEVICE_HELP, DTYPE_NAMES, default_device
-from .zeroshot_tasks import ZeroshotError
+from sinklm.cli.evaluate import check_device, user_errors
+from sinklm.cli.main import UserError, check_at_least
+from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, default_device
+from sinklm.eval.zeroshot_tasks import ZeroshotError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from .cache import parse_caches
-    from .compare import CompareError, Settings, compare
+    from sinklm.eval.cache import parse_caches
+    from sinklm.eval.compare import CompareError, Settings, compare
 
     check_at_least(("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
                    ("--batch-size", args.batch_size, 1))
@@ -74,7 +73,7 @@ def run_compare(args: argparse.Namespace) -> int:
     check_device(args.device)
     tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
     if args.data_dir is not None and not tasks:
-        raise CommandError("--data-dir is for zero-shot tasks; name them with --tasks")
+        raise UserError("--data-dir is for zero-shot tasks; name them with --tasks")
     try:
         settings = Settings(
             texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
@@ -85,9 +84,9 @@ def run_compare(args: argparse.Namespace) -> int:
         )
         report = compare(args.checkpoints, args.output, settings, args.overwrite)
     except (*user_errors(), CompareError, ZeroshotError) as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     except ConnectionError as error:  # datasets cannot reach the Hub
-        raise CommandError(f"{error}: the Hub datasets need the network; --data-dir FOLDER "
+        raise UserError(f"{error}: the Hub datasets need the network; --data-dir FOLDER "
                            "reads local files instead", code=1) from None
     print(report.streaming_table)
     print()

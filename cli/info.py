@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from sinklm.data.errors import CommandError
-
-from .config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ConfigError, ModelConfig
+from sinklm.cli.main import UserError
+from sinklm.models.config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ConfigError, ModelConfig
 
 
 def count_params(config: ModelConfig) -> int:
     """Parameter count without allocating weights (the model is built on the meta device)."""
     import torch  # here, not at the top: `sinklm --help` must not wait for torch
 
-    from .model import CausalLM
+    from sinklm.models.model import CausalLM
 
     with torch.device("meta"):
         return CausalLM(config).num_params()
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"presets": rows, "variants": VARIANTS}, indent=2))
         return 0
     if not args.preset:
-        raise CommandError("name a preset (or pass --list to see them)")
+        raise UserError("name a preset (or pass --list to see them)")
     try:
         config = ModelConfig.from_preset(args.preset, variant=args.variant)
         if args.softmax is not None:
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         if args.sink_tokens is not None:
             config = config.replace(sink_tokens=args.sink_tokens)
     except ConfigError as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     print(json.dumps({"name": config.name, "params": count_params(config),
                       "config": config.to_dict()}, indent=2))
     return 0

@@ -10,24 +10,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sinklm.data.errors import CommandError, check_at_least
+from sinklm.cli.main import UserError, check_at_least
+from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, default_device
+from sinklm.cli.outputs import output_refusal
 from sinklm.models import ConfigError
 
-from .options import DEVICE_HELP, DTYPE_NAMES, default_device
-from .outputs import output_refusal
-
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .texts import Stream
+    from sinklm.eval.texts import Stream
+    from sinklm.models.load import Checkpoint
 
 
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (one line, exit 2). Their modules import torch, so they
     are imported when a command runs, not when ``sinklm --help`` builds the parser."""
-    from .cache import CacheSpecError
-    from .checkpoint import CheckpointError
-    from .streaming import StreamError
-    from .texts import TextSourceError
+    from sinklm.eval.cache import CacheSpecError
+    from sinklm.eval.streaming import StreamError
+    from sinklm.eval.texts import TextSourceError
+    from sinklm.models.load import CheckpointError
 
     return CacheSpecError, CheckpointError, ConfigError, StreamError, TextSourceError
 
@@ -37,7 +36,7 @@ def check_device(device: str) -> None:
     import torch
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise CommandError(f"--device {device}: no CUDA device here; use --device cpu")
+        raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +122,7 @@ def _warn(command: str, message: str) -> None:
 
 
 def _load(args: argparse.Namespace) -> Checkpoint:
-    from .checkpoint import DTYPES, load_checkpoint
+    from sinklm.models.load import DTYPES, load_checkpoint
 
     check_device(args.device)
     return load_checkpoint(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
@@ -132,7 +131,7 @@ def _load(args: argparse.Namespace) -> Checkpoint:
 
 def _check_source(args: argparse.Namespace) -> None:
     """Fail on a missing text file or packed folder before the model is loaded."""
-    from .texts import check_files, check_packed
+    from sinklm.eval.texts import check_files, check_packed
 
     if args.text:
         check_files(args.text)
@@ -143,7 +142,7 @@ def _check_source(args: argparse.Namespace) -> None:
 def _streams(args: argparse.Namespace, checkpoint: Checkpoint, sink_ids: list[int],
              max_tokens: int | None) -> list[Stream]:
     """The streams of --text, --dataset or --packed in the checkpoint's tokens."""
-    from .texts import encode_streams, packed_streams, read_dataset, read_files
+    from sinklm.eval.texts import encode_streams, packed_streams, read_dataset, read_files
 
     if args.packed:
         return packed_streams(args.packed, checkpoint.tokenizer, sink_ids, max_tokens)
@@ -157,10 +156,10 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     command = "stream-eval"
     refusal = output_refusal(args.output, args.overwrite)
     if refusal:
-        raise CommandError(refusal)
-    from .cache import check_policies, paper_caches, parse_caches
-    from .report import format_ppl, markdown_table, write_outputs
-    from .streaming import DEFAULT_CHUNK, CacheResult, evaluate
+        raise UserError(refusal)
+    from sinklm.eval.cache import check_policies, paper_caches, parse_caches
+    from sinklm.eval.report import format_ppl, markdown_table, write_outputs
+    from sinklm.eval.streaming import DEFAULT_CHUNK, CacheResult, evaluate
 
     args.device = args.device or default_device()
     chunk_size = DEFAULT_CHUNK if args.chunk_size is None else args.chunk_size
@@ -189,7 +188,7 @@ def run_stream_eval(args: argparse.Namespace) -> int:
                            n_sink_ids=len(sink_ids), reference=args.reference,
                            chunk_size=chunk_size, on_result=report, progress=True)
     except user_errors() as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     header = {
         "checkpoint": args.checkpoint,
         "model": checkpoint.describe(),
@@ -218,16 +217,16 @@ def run_sinks(args: argparse.Namespace) -> int:
     command = "sinks"
     refusal = output_refusal(args.output, args.overwrite)
     if refusal:
-        raise CommandError(refusal)
+        raise UserError(refusal)
     import torch
 
-    from .sinks import markdown_summary, measure_text, plot_sinks
+    from sinklm.eval.sinks import markdown_summary, measure_text, plot_sinks
 
     args.device = args.device or default_device()
     check_at_least(("--windows", args.windows, 1), ("--first", args.first, 1),
                    ("--map-size", args.map_size, 1))
     if not 0.0 <= args.eps < 1.0:
-        raise CommandError(f"--eps {args.eps}: must lie in [0, 1)")
+        raise UserError(f"--eps {args.eps}: must lie in [0, 1)")
     try:
         _check_source(args)
         checkpoint = _load(args)
@@ -235,7 +234,7 @@ def run_sinks(args: argparse.Namespace) -> int:
         window = args.window if args.window is not None else min(512, config.max_seq_len)
         sink_ids = checkpoint.sink_token_ids
         if window <= len(sink_ids) + 1:
-            raise CommandError(f"--window {window}: must hold the {len(sink_ids)} sink ids "
+            raise UserError(f"--window {window}: must hold the {len(sink_ids)} sink ids "
                                "and at least two text tokens")
         if window > config.max_seq_len:
             _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
@@ -245,7 +244,7 @@ def run_sinks(args: argparse.Namespace) -> int:
         report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
                               args.windows, args.first, args.eps, args.map_size)
     except user_errors() as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     args.output.parent.mkdir(parents=True, exist_ok=True)
     plots = plot_sinks(report, args.output.with_suffix(""))
     document = {

@@ -1,6 +1,6 @@
 """How ``sinklm fit`` appears in ``sinklm --help``, and the text that opens ``sinklm fit --help``.
 
-``sinklm.train.cli.main`` hands fit's arguments to LightningCLI (``train/fit.py``) untouched,
+``sinklm.cli.main.main`` hands fit's arguments to LightningCLI (``train/fit.py``) untouched,
 so the parser registered here is never run; it only lists the command. The usage and
 description live here, without torch or Lightning imports, and LightningCLI shows the same.
 """

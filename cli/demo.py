@@ -34,9 +34,7 @@ from typing import Any
 
 import yaml
 
-from sinklm.data.errors import CommandError, check_at_least
-
-from .cli import bundled_file
+from sinklm.cli.main import UserError, bundled_file, check_at_least
 
 VARIANTS = ("vanilla", "zero_sink", "sink_token")
 LAB_DATA = "data/bigram_backcopy.yaml"
@@ -51,7 +49,7 @@ PYTHIA_CACHE = 1024
 HUB_TIMEOUT_S = 3.0
 
 
-class DemoError(CommandError):
+class DemoError(UserError):
     """A demo step cannot run; the message says what to do."""
 
 
@@ -313,9 +311,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_lab(args: argparse.Namespace) -> Any:
     """The sink lab: Bigram-Backcopy packed, the three bb models trained, their report."""
+    from sinklm.cli.evaluate import user_errors
     from sinklm.data import PrepareConfig, prepare_data
     from sinklm.data.errors import DataError
-    from sinklm.eval.cli import user_errors
     from sinklm.eval.compare import CompareError, Settings, compare
 
     config = _config(LAB_DATA)
@@ -419,8 +417,8 @@ def print_text(data: DemoData, report: Any, pythia: str, args: argparse.Namespac
 def evaluate_models(args: argparse.Namespace, book: Path,
                     checkpoints: list[str]) -> tuple[Any, str]:
     """The tiny models' comparison report, and Pythia's table or why it was skipped."""
+    from sinklm.cli.evaluate import user_errors
     from sinklm.eval.cache import StartRecent
-    from sinklm.eval.cli import user_errors
     from sinklm.eval.compare import CompareError, Settings, compare
 
     settings = Settings(texts=(book,), max_tokens=args.max_eval_tokens)

@@ -9,13 +9,12 @@ from typing import Any
 
 import yaml
 
-from sinklm.data.errors import CommandError
-
-from .errors import DataError
-from .packing import PrepareConfig, prepare_data
-from .sources import Source, SourceSpec
-from .synthetic import GENERATORS
-from .tokenizer import (
+from sinklm.cli.main import UserError
+from sinklm.data.errors import DataError
+from sinklm.data.packing import PrepareConfig, prepare_data
+from sinklm.data.sources import Source, SourceSpec
+from sinklm.data.synthetic import GENERATORS
+from sinklm.data.tokenizer import (
     DEFAULT_TOKENIZER,
     eod_token_id,
     save_tokenizer,
@@ -177,7 +176,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         config = PrepareConfig.from_dict(_merged(args, _PREPARE_FLAGS))
         meta = prepare_data(config)
     except DataError as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     splits = {
         name: {"documents": s["documents"], "tokens": s["tokens"]}
         for name, s in meta["splits"].items()
@@ -210,7 +209,7 @@ def run_train_tokenizer(args: argparse.Namespace) -> int:
                                     length=source.num_documents)
         path = save_tokenizer(tokenizer, args.output)
     except DataError as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     print(json.dumps({"tokenizer": str(path),
                       "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
                       "eod_id": eod_token_id(tokenizer), "hash": tokenizer_hash(tokenizer)},

@@ -10,11 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
-from sinklm.data.errors import CommandError
-
-from .options import DEVICE_HELP, DTYPE_NAMES
-from .outputs import output_refusal, write_atomic
-from .zeroshot_tasks import PAPER_TASKS
+from sinklm.cli.main import UserError
+from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES
+from sinklm.cli.outputs import output_refusal, write_atomic
+from sinklm.eval.zeroshot_tasks import PAPER_TASKS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -86,8 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .checkpoint import DTYPES, CheckpointError, load_checkpoint
-    from .export import (
+    from sinklm.models.hub import (
         ExportError,
         HubError,
         check_hub_token,
@@ -97,9 +95,10 @@ def run_export(args: argparse.Namespace) -> int:
         find_training_recipe,
         push_to_hub,
     )
+    from sinklm.models.load import DTYPES, CheckpointError, load_checkpoint
 
     if args.private and not args.push_to_hub:
-        raise CommandError("--private applies to --push-to-hub REPO_ID; give both")
+        raise UserError("--private applies to --push-to-hub REPO_ID; give both")
     try:
         check_output(args.output, args.checkpoint, args.overwrite)
         if args.push_to_hub:
@@ -114,13 +113,13 @@ def run_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except (CheckpointError, ExportError, HubError) as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     print(f"sinklm export: wrote {folder}")
     if args.push_to_hub:
         try:
             url = push_to_hub(folder, args.push_to_hub, private=args.private)
         except HubError as error:
-            raise CommandError(error, code=1) from None
+            raise UserError(error, code=1) from None
         print(f"sinklm export: pushed to {url}")
     return 0
 
@@ -128,19 +127,19 @@ def run_export(args: argparse.Namespace) -> int:
 def run_zeroshot(args: argparse.Namespace) -> int:
     from lm_eval.utils import make_table
 
-    from .checkpoint import CheckpointError
-    from .zeroshot import SinkLMEval, evaluate, summarize
-    from .zeroshot_tasks import ZeroshotError, task_specs
+    from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize
+    from sinklm.eval.zeroshot_tasks import ZeroshotError, task_specs
+    from sinklm.models.load import CheckpointError
 
     output = Path(args.output).expanduser()
     refusal = output_refusal(output, args.overwrite)
     if refusal:
-        raise CommandError(refusal)
+        raise UserError(refusal)
     if args.limit is not None and args.limit < 1:
-        raise CommandError(f"--limit {args.limit}: give a positive number of items")
+        raise UserError(f"--limit {args.limit}: give a positive number of items")
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks:
-        raise CommandError("--tasks is empty: name at least one lm-eval task")
+        raise UserError("--tasks is empty: name at least one lm-eval task")
     try:
         specs = task_specs(tasks, args.data_dir)
         model = SinkLMEval(
@@ -148,10 +147,10 @@ def run_zeroshot(args: argparse.Namespace) -> int:
         )
         raw = evaluate(model, specs, limit=args.limit, bootstrap_iters=args.bootstrap_iters)
     except (ZeroshotError, CheckpointError) as error:
-        raise CommandError(error) from None
+        raise UserError(error) from None
     except ConnectionError as error:  # datasets cannot reach the Hub
         hint = "the Hub datasets need the network; --data-dir FOLDER reads local files instead"
-        raise CommandError(f"{error}: {hint}", code=1) from None
+        raise UserError(f"{error}: {hint}", code=1) from None
     settings = {
         "checkpoint": args.checkpoint,
         "tasks": tasks,

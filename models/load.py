@@ -21,20 +21,20 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from sinklm.cli.main import UserError
+from sinklm.cli.options import DTYPE_NAMES
 from sinklm.models import CausalLM, ConfigError
 from sinklm.models.checkpoint import CheckpointFormatError, load_trained, read_checkpoint
 from sinklm.models.config import variant_name
 from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
 from sinklm.models.convert import config_from_hf, from_hf_model, from_hf_state_dict
 
-from .options import DTYPE_NAMES
-
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # The precisions an evaluator may load weights in, by their command-line names.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be loaded or does not fit its tokenizer; the message says which."""
 
 

@@ -1,9 +1,11 @@
-"""The ``sinklm`` console script: one entry point, a subcommand per job.
+"""The ``sinklm`` console script: the subcommand table, ``main`` and the one error type.
 
-Each package owns its subcommands in its own ``cli.py``-like module with a
-``register(subparsers)`` function; this module collects them, so a user never needs to know
-module paths. ``main`` reports a command's ``CommandError`` (``data/errors.py``) as one line;
-``bundled_file`` finds the configs and SLURM template installed with sinklm.
+Each module of ``cli/`` registers a group of subcommands (``register(subparsers)``); the table
+below lists them, so a user never needs to know module paths. Every error a user can act on
+derives from :class:`UserError`, wherever it is raised; ``main`` prints it as one line. This
+module imports nothing of sinklm at import time, so every package may derive its errors from
+``UserError`` and ``sinklm --help`` stays fast. ``bundled_file`` finds the configs and SLURM
+template installed with sinklm.
 """
 
 from __future__ import annotations
@@ -15,18 +17,36 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from sinklm.data.errors import CommandError
+
+class UserError(Exception):
+    """A refusal the user can act on: the message names the file, field or setting at fault and
+    the fix. ``main`` prints ``sinklm COMMAND: message`` to stderr, with no traceback, and exits
+    with ``code``: 2 for bad input, 1 where a service (the Hub, the network) failed."""
+
+    code = 2
+
+    def __init__(self, message: object, code: int | None = None) -> None:
+        super().__init__(str(message))
+        if code is not None:
+            self.code = code
+
+
+def check_at_least(*limits: tuple[str, int | None, int]) -> None:
+    """Refuse a numeric flag below its floor; each limit is (flag, value or None, floor)."""
+    for flag, value, low in limits:
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: must be at least {low}")
 
 # Packages whose cli.py registers subcommands, in the order --help lists them.
 COMMAND_MODULES = (
-    "sinklm.models.cli",
-    "sinklm.data.cli",
-    "sinklm.train.fit_cli",
-    "sinklm.eval.cli",
-    "sinklm.eval.hub_cli",
-    "sinklm.eval.compare_cli",
+    "sinklm.cli.info",
+    "sinklm.cli.data",
+    "sinklm.cli.fit",
+    "sinklm.cli.evaluate",
+    "sinklm.cli.hub",
+    "sinklm.cli.compare",
     "sinklm.train.slurm",
-    "sinklm.train.demo",
+    "sinklm.cli.demo",
 )
 # Subcommands that parse their own arguments (LightningCLI): argv goes to them untouched.
 PASSTHROUGH = {"fit": "sinklm.train.fit:run_fit"}
@@ -61,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; a ``CommandError`` it raises becomes one line and the exit code."""
+    """Run one command; a ``UserError`` it raises becomes one line and the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in PASSTHROUGH:
         module, function = PASSTHROUGH[argv[0]].split(":")
@@ -69,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except CommandError as error:
+    except UserError as error:
         print(f"sinklm {args.command}: {error}", file=sys.stderr)
         return error.code
 
