@@ -19,7 +19,7 @@ from sinklm.eval.report import markdown_table
 from sinklm.eval.streaming import evaluate
 from sinklm.eval.texts import encode_streams, read_files
 from sinklm.models.load import load_checkpoint
-from sinklm.train import demo
+from sinklm.cli import demo
 from sinklm.train import fit as fit_module
 
 # Shrinks tiny-5m to a 64-token, one-layer model: the orchestration is under test, not the model.

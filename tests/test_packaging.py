@@ -80,7 +80,7 @@ def test_every_config_and_the_template_ship_and_are_found(site: Path) -> None:
 
 
 def test_the_demo_reads_its_configs(site: Path) -> None:
-    code = ("from sinklm.train import demo\n"
+    code = ("from sinklm.cli import demo\n"
             "print(demo._config(demo.LAB_DATA)['output'])\n"
             "print(demo._config_file('experiments/tiny-vanilla.yaml'))")
     output, path = python(site, code).splitlines()
