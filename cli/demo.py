@@ -222,8 +222,8 @@ def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str
           steps: int | None, fit_args: list[str]) -> Path:
     """``sinklm fit`` of ``configs/experiments/FAMILY-VARIANT.yaml`` into ``run_dir``; resumed
     if interrupted, skipped if done, refused if ``run_dir`` holds a run of other settings."""
-    import torch
 
+    from sinklm.models.checkpoint import global_step
     from sinklm.train.fit import newest_checkpoint, run_fit
 
     config_path = _config_file(f"experiments/{family}-{variant}.yaml")
@@ -243,8 +243,7 @@ def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str
         newest = newest_checkpoint(run_dir / "checkpoints", run_dir)
         if newest is None:
             return 0
-        return int(torch.load(newest, map_location="cpu", mmap=True,
-                              weights_only=False)["global_step"])
+        return global_step(newest)
 
     done = trained()
     if done == steps:

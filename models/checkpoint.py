@@ -1,9 +1,10 @@
-"""The `sinklm fit` checkpoint format: what sinklm adds to a Lightning checkpoint, and reading it.
+"""sinklm's formats on disk: the `sinklm fit` checkpoint and the ``sinklm`` block of an export.
 
-Training writes these entries, a resume checks them and every evaluator loads a model from them.
-They live here, below ``train`` and ``eval`` and without Lightning, so the three stay in step and
-importing an evaluator does not import the trainer. The key strings are the on-disk format:
-changing one orphans every checkpoint written so far.
+Training writes the checkpoint entries, a resume checks them and every evaluator loads a model
+from them; `sinklm export` writes the config.json block that loading reads back. Every key lives
+here, below ``train`` and ``eval`` and without Lightning, so they stay in step and importing an
+evaluator does not import the trainer. The key strings are the on-disk format: changing one
+orphans every checkpoint and export written so far.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ DATA_KEY = "sinklm_data"
 SCHEDULE_KEY = "sinklm_schedule"
 # The training module holds the network as ``self.model``: its weights' prefix in state_dict.
 STATE_PREFIX = "model."
+# Lightning's own entries that sinklm reads: the step, and each callback's state by its
+# ``state_key`` (the sink probe's is fixed to PROBE_STATE_KEY, so renaming the class keeps it).
+GLOBAL_STEP_KEY = "global_step"
+CALLBACKS_KEY = "callbacks"
+PROBE_STATE_KEY = "SinkProbe"
+# The export's config.json block: which attention variant and sink ids the GPT-NeoX fields lack.
+EXPORT_BLOCK_KEY = "sinklm"
 
 
 class CheckpointFormatError(UserError, ValueError):
@@ -85,6 +93,56 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
             f"{path} was not written by `sinklm fit` (no model config in it)"
         )
     return checkpoint
+
+
+def global_step(path: Path) -> int:
+    """The optimizer steps the checkpoint at ``path`` was saved after."""
+    return int(read_checkpoint(path)[GLOBAL_STEP_KEY])
+
+
+def probe_history(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sink probe's record from training: one dict per probe (step, tokens, sink_rate,
+    first_mass per layer); empty when the run had no probe."""
+    probe = checkpoint.get(CALLBACKS_KEY, {}).get(PROBE_STATE_KEY, {})
+    return [dict(row) for row in probe.get("history", [])]
+
+
+def export_block(
+    name: str, config: ModelConfig, sink_ids: Sequence[int], version: str
+) -> dict[str, Any]:
+    """config.json's ``sinklm`` block of an export: the variant and sink ids GPT-NeoX lacks."""
+    return {
+        "name": name,
+        "attention_softmax": config.attention.softmax,
+        "sink_tokens": config.sink_tokens,
+        "sink_token_ids": list(sink_ids),
+        "sinklm_version": version,
+    }
+
+
+class ExportBlock(NamedTuple):
+    """What loading reads back from config.json's ``sinklm`` block; a plain GPTNeoX (no block)
+    reads as vanilla softmax without sink ids."""
+
+    name: str | None
+    softmax: str
+    sink_tokens: int
+    sink_ids: list[int]
+
+
+def read_export_block(hf_config: Any) -> ExportBlock:
+    """The ``sinklm`` block of a transformers config (an attribute of it), checked: the sink id
+    list must match the sink count."""
+    block = getattr(hf_config, EXPORT_BLOCK_KEY, None) or {}
+    sink_tokens = int(block.get("sink_tokens", 0))
+    sink_ids = [int(i) for i in block.get("sink_token_ids") or []]
+    if len(sink_ids) != sink_tokens:
+        raise CheckpointFormatError(
+            f"config.json says sink_tokens={sink_tokens} but lists sink_token_ids={sink_ids}: "
+            "the checkpoint's sinklm metadata is incomplete"
+        )
+    return ExportBlock(block.get("name"), block.get("attention_softmax", "softmax"), sink_tokens,
+                       sink_ids)
 
 
 def load_trained(checkpoint: dict[str, Any], path: Path) -> TrainedModel:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from .checkpoint import read_export_block
 from .config import ConfigError, ModelConfig
 from .model import CausalLM
 
@@ -54,9 +55,9 @@ def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelCo
             f"intermediate_size={hf_config.intermediate_size} is not a multiple of "
             f"hidden_size={hf_config.hidden_size}"
         )
-    extra = getattr(hf_config, "sinklm", None) or {}
+    block = read_export_block(hf_config)
     return ModelConfig(
-        name=name or extra.get("name") or getattr(hf_config, "name_or_path", "") or "gpt_neox",
+        name=name or block.name or getattr(hf_config, "name_or_path", "") or "gpt_neox",
         vocab_size=hf_config.vocab_size,
         n_layer=hf_config.num_hidden_layers,
         n_head=hf_config.num_attention_heads,
@@ -68,8 +69,8 @@ def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelCo
         layer_norm_eps=hf_config.layer_norm_eps,
         gelu_approximate=HF_GELU[hf_config.hidden_act],  # type: ignore[arg-type]
         use_parallel_residual=bool(getattr(hf_config, "use_parallel_residual", True)),
-        attention={"softmax": extra.get("attention_softmax", "softmax"), "backend": "sdpa"},
-        sink_tokens=int(extra.get("sink_tokens", 0)),
+        attention={"softmax": block.softmax, "backend": "sdpa"},
+        sink_tokens=block.sink_tokens,
     )
 
 

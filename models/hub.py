@@ -40,6 +40,7 @@ from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import PAD_TOKEN, eod_token_id, sink_token_ids
 from sinklm.eval.zeroshot_tasks import RESULTS_KIND
 from sinklm.models import ModelConfig
+from sinklm.models.checkpoint import EXPORT_BLOCK_KEY, export_block
 from sinklm.models.configuration_sinklm import MODEL_TYPE
 from sinklm.models.convert import hf_config_from, to_hf_state_dict
 from sinklm.models.load import Checkpoint
@@ -200,14 +201,9 @@ def hf_config_dict(checkpoint: Checkpoint, eod: int) -> dict[str, Any]:
         rotary_pct=config.rotary_pct,
         rotary_emb_base=config.rotary_base,
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        sinklm={
-            "name": checkpoint.name,
-            "attention_softmax": config.attention.softmax,
-            "sink_tokens": config.sink_tokens,
-            "sink_token_ids": list(checkpoint.sink_token_ids),
-            "sinklm_version": metadata.version("sinklm"),
-        },
     )
+    data[EXPORT_BLOCK_KEY] = export_block(checkpoint.name, config, checkpoint.sink_token_ids,
+                                          metadata.version("sinklm"))
     if needs_remote_code(config):
         data.update(model_type=MODEL_TYPE, architectures=["SinkLMForCausalLM"], auto_map=AUTO_MAP)
     return dict(sorted(data.items()))

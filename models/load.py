@@ -24,7 +24,13 @@ from tokenizers import Tokenizer
 from sinklm.cli.main import UserError
 from sinklm.cli.options import DTYPE_NAMES
 from sinklm.models import CausalLM, ConfigError
-from sinklm.models.checkpoint import CheckpointFormatError, load_trained, read_checkpoint
+from sinklm.models.checkpoint import (
+    CheckpointFormatError,
+    load_trained,
+    probe_history,
+    read_checkpoint,
+    read_export_block,
+)
 from sinklm.models.config import variant_name
 from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
 from sinklm.models.convert import config_from_hf, from_hf_model, from_hf_state_dict
@@ -112,16 +118,6 @@ def load_checkpoint(
     return Checkpoint(model, tok, sink_ids, name, source, training_sinks)
 
 
-def _sink_metadata(extra: dict[str, Any], sink_tokens: int) -> list[int]:
-    ids = [int(i) for i in extra.get("sink_token_ids") or []]
-    if len(ids) != sink_tokens:
-        raise CheckpointError(
-            f"config.json says sink_tokens={sink_tokens} but lists sink_token_ids={ids}: "
-            "the checkpoint's sinklm metadata is incomplete"
-        )
-    return ids
-
-
 def _load_lightning(
     path: Path,
 ) -> tuple[CausalLM, list[int], str, Tokenizer, list[dict[str, Any]]]:
@@ -133,9 +129,7 @@ def _load_lightning(
     except CheckpointFormatError as error:
         raise CheckpointError(str(error)) from error
     name = f"{model.config.name}-{variant_name(model.config)}"
-    probe = checkpoint.get("callbacks", {}).get("SinkProbe", {})
-    history = [dict(row) for row in probe.get("history", [])]
-    return model, sink_ids, name, tokenizer, history
+    return model, sink_ids, name, tokenizer, probe_history(checkpoint)
 
 
 def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:
@@ -155,13 +149,13 @@ def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:
             else AutoConfig.from_pretrained(path)
         )
         config = config_from_hf(hf_config)
-    except ConfigError as error:
+        block = read_export_block(hf_config)
+    except (ConfigError, CheckpointFormatError) as error:
         raise CheckpointError(f"{path}: {error}") from error
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: cannot read a transformers config ({error})") from error
-    extra = getattr(hf_config, "sinklm", None) or {}
-    sink_ids = _sink_metadata(extra, config.sink_tokens)
-    name = extra.get("name") or Path(path).name
+    sink_ids = block.sink_ids
+    name = block.name or Path(path).name
     if config.attention.softmax == "softmax":
         hf_model = GPTNeoXForCausalLM.from_pretrained(path, dtype=torch.float32)
         return from_hf_model(hf_model), sink_ids, name

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sinklm.cli import demo
 from sinklm.cli.main import main as sinklm_main
 from sinklm.eval import compare as compare_module
 from sinklm.eval.cache import parse_caches
@@ -19,7 +20,6 @@ from sinklm.eval.report import markdown_table
 from sinklm.eval.streaming import evaluate
 from sinklm.eval.texts import encode_streams, read_files
 from sinklm.models.load import load_checkpoint
-from sinklm.cli import demo
 from sinklm.train import fit as fit_module
 
 # Shrinks tiny-5m to a 64-token, one-layer model: the orchestration is under test, not the model.
