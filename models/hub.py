@@ -71,6 +71,8 @@ class ExportError(UserError, ValueError):
 class HubError(UserError, RuntimeError):
     """The Hub upload cannot happen (no token, no network); the export folder is intact."""
 
+    code = 1  # a service failed, not the user's input
+
 
 def needs_remote_code(config: ModelConfig) -> bool:
     """Whether transformers needs sinklm's modeling code: GPT-NeoX computes plain softmax only."""
