@@ -66,9 +66,8 @@ def classify_positions(tokenizer: Tokenizer, ids: Tensor, n_sink_ids: int) -> Te
     return torch.tensor(classes, dtype=torch.long)
 
 
-def make_windows(text_ids: Tensor, sink_ids: list[int], window: int, count: int) -> list[Tensor]:
+def make_windows(text_ids: Tensor, sinks: SinkPrefix, window: int, count: int) -> list[Tensor]:
     """Up to ``count`` consecutive windows of ``window`` tokens, each starting with the sink ids."""
-    sinks = SinkPrefix(sink_ids)
     step = window - len(sinks)
     if step < 1:
         raise ValueError(f"a window of {window} tokens cannot hold {len(sinks)} sink ids")
@@ -227,9 +226,9 @@ def measure_text(
     map_size: int = 16,
 ) -> SinkReport:
     """measure_sinks on up to ``count`` windows of ``text_ids``, each led by the sink ids."""
-    sink_ids = checkpoint.sink_token_ids
-    windows = make_windows(text_ids, sink_ids, window, count)
-    classes = [classify_positions(checkpoint.tokenizer, w, len(sink_ids)) for w in windows]
+    sinks = SinkPrefix(checkpoint.sink_token_ids)
+    windows = make_windows(text_ids, sinks, window, count)
+    classes = [classify_positions(checkpoint.tokenizer, w, len(sinks)) for w in windows]
     return measure_sinks(checkpoint.model, windows, classes, first, eps, map_size,
                          trigger_token_ids(checkpoint.tokenizer))
 

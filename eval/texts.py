@@ -1,8 +1,9 @@
 """Text sources for the evaluators and their token streams.
 
 A document is tokenized as one string without special tokens (as StreamingLLM does with a PG19
-book) and the model's sink ids go in front. Local files and Hub datasets take the same path
-after loading, so a test on a local book exercises what a PG19 run does.
+book); its stream carries the model's sink prefix, which the evaluator puts in front. Local
+files and Hub datasets take the same path after loading, so a test on a local book exercises
+what a PG19 run does.
 """
 
 from __future__ import annotations
@@ -30,15 +31,20 @@ class TextSourceError(UserError, ValueError):
 
 @dataclass
 class Stream:
-    """One document's token stream: ``n_sink_ids`` sink ids, then the text."""
+    """One document: its text token ids and the sink ids the model reads before them."""
 
     name: str
-    ids: Tensor  # int64 [sink ids + text tokens]
-    n_sink_ids: int
+    text: Tensor  # int64 [text tokens]
+    sinks: SinkPrefix
 
     @property
     def text_tokens(self) -> int:
-        return len(self.ids) - self.n_sink_ids
+        return len(self.text)
+
+    @property
+    def tokens(self) -> int:
+        """The stream's length as the model reads it: sink ids, then the text."""
+        return len(self.sinks) + len(self.text)
 
 
 def split_dataset_spec(spec: str) -> tuple[str, str]:
@@ -89,7 +95,7 @@ def read_dataset(spec: str, column: str = "text") -> Iterator[tuple[str, str]]:
 def encode_streams(
     documents: Iterator[tuple[str, str]],
     tokenizer: Tokenizer,
-    sink_ids: list[int],
+    sinks: SinkPrefix,
     max_tokens: int | None = None,
 ) -> list[Stream]:
     """Streams of the documents, stopping once ``max_tokens`` text tokens are taken in all.
@@ -99,13 +105,12 @@ def encode_streams(
     encoded = (
         (name, tokenizer.encode(text, add_special_tokens=False).ids) for name, text in documents
     )
-    return _streams(encoded, sink_ids, max_tokens)
+    return _streams(encoded, sinks, max_tokens)
 
 
 def _streams(
-    documents: Iterable[tuple[str, Sequence[int]]], sink_ids: list[int], max_tokens: int | None
+    documents: Iterable[tuple[str, Sequence[int]]], sinks: SinkPrefix, max_tokens: int | None
 ) -> list[Stream]:
-    sinks = SinkPrefix(sink_ids)
     streams: list[Stream] = []
     budget = max_tokens
     for name, ids in documents:
@@ -116,8 +121,7 @@ def _streams(
             budget -= len(ids)
         if len(ids) < 2:
             continue
-        stream = sinks.prepend(torch.as_tensor(np.asarray(ids), dtype=torch.long))
-        streams.append(Stream(name, stream, len(sinks)))
+        streams.append(Stream(name, torch.as_tensor(np.asarray(ids), dtype=torch.long), sinks))
     if not streams:
         raise TextSourceError("no document with at least two tokens to evaluate")
     return streams
@@ -147,7 +151,7 @@ def check_packed(spec: str) -> dict[str, Any]:
 
 
 def packed_streams(
-    spec: str, tokenizer: Tokenizer, sink_ids: list[int], max_tokens: int | None = None
+    spec: str, tokenizer: Tokenizer, sinks: SinkPrefix, max_tokens: int | None = None
 ) -> list[Stream]:
     """Streams of the documents of a packed split (the ids as packed, split at end-of-document),
     for a model whose tokenizer is the one the folder was packed with."""
@@ -165,4 +169,4 @@ def packed_streams(
     pieces = np.split(tokens, np.flatnonzero(tokens == meta["eod_id"]))
     documents = ((f"{folder.name}:{split}[{i}]", piece[1:] if i else piece)
                  for i, piece in enumerate(pieces))
-    return _streams(documents, sink_ids, max_tokens)
+    return _streams(documents, sinks, max_tokens)

@@ -5,15 +5,18 @@ Weight names and the fused QKV layout are those of transformers' ``GPTNeoXForCau
 state dicts move between the two without renaming. Parameters the GPT-NeoX architecture has
 no slot for (``attention.sink_logit``, ``attention.gate``) exist only in those variants.
 
-The model holds no cache policy: ``forward`` takes explicit positions and an optional
-``KVCache`` whose keys are stored before rotary, so a caller (the streaming evaluator) may
-evict entries and re-assign the positions of what it keeps.
+The model holds no cache policy: ``hidden_states`` runs the one block loop and takes explicit
+positions and an optional :class:`Cache`, which decides what earlier tokens each layer's
+attention sees. Keys are cached before rotary, so a cache (``KVCache`` here, the streaming
+start+recent cache in ``sinklm.eval``) may evict entries and re-assign positions.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,35 @@ from torch import Tensor, nn
 
 from .attention import FUSED_KERNELS, check_backend_available, eager_attention
 from .config import ModelConfig
+
+
+def resolve_positions(position_ids: Tensor | None, first: int, input_ids: Tensor) -> Tensor:
+    """Positions [B, T] of ``input_ids``: ``position_ids`` broadcast, else first, first + 1..."""
+    b, t = input_ids.shape
+    if position_ids is None:
+        return torch.arange(first, first + t, device=input_ids.device).expand(b, t)
+    return position_ids.expand(b, t)
+
+
+class LayerAttention(Protocol):
+    """One forward's attention of layer ``layer``: its module and its input (after ln1) give
+    its output. A cache's :meth:`Cache.step` returns one; the model calls it for each block."""
+
+    def __call__(self, layer: int, attention: Attention, x: Tensor) -> Tensor: ...
+
+
+class Cache(Protocol):
+    """What earlier tokens a forward's tokens see, and at which positions.
+
+    :meth:`CausalLM.hidden_states` asks it once per forward for the attention of every layer,
+    and runs the block loop itself: a cache decides what is kept and where it sits (keys are
+    stored before rotary, so a cache may re-assign positions), never how a block is built.
+    :class:`KVCache` keeps everything it is given; the streaming caches of ``sinklm.eval``
+    keep a start and a recent window.
+    """
+
+    def step(self, rotary: RotaryEmbedding, input_ids: Tensor, position_ids: Tensor | None,
+             dtype: torch.dtype, attentions: list[Tensor] | None) -> LayerAttention: ...
 
 
 class KVCache:
@@ -46,6 +78,30 @@ class KVCache:
                 self.values[layer] = v.index_select(2, index)
         if self.positions is not None:
             self.positions = self.positions.index_select(1, index)
+
+    def step(self, rotary: RotaryEmbedding, input_ids: Tensor, position_ids: Tensor | None,
+             dtype: torch.dtype, attentions: list[Tensor] | None) -> LayerAttention:
+        """The new tokens at ``position_ids`` (default: after the cache) see every cached key at
+        its stored position; their keys and values are appended."""
+        b = input_ids.shape[0]
+        positions = resolve_positions(position_ids, len(self), input_ids)
+        rope_q = rope_k = rotary.cos_sin(positions, dtype)
+        if self.positions is not None:
+            positions = torch.cat([self.positions.expand(b, -1), positions], dim=1)
+            rope_k = rotary.cos_sin(positions, dtype)
+        self.positions = positions
+
+        def attend(layer: int, attention: Attention, x: Tensor) -> Tensor:
+            k, v = self.keys[layer], self.values[layer]
+            past = None if k is None or v is None else (k, v)
+            out, new_past, probs = attention(x, rotary, rope_q, rope_k, past,
+                                             attentions is not None, use_cache=True)
+            self.keys[layer], self.values[layer] = new_past
+            if attentions is not None:
+                attentions.append(probs)
+            return out
+
+        return attend
 
 
 class RotaryEmbedding(nn.Module):
@@ -196,27 +252,19 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(
-        self,
-        x: Tensor,
-        rotary: RotaryEmbedding,
-        rope_q: tuple[Tensor, Tensor],
-        rope_k: tuple[Tensor, Tensor],
-        past: tuple[Tensor, Tensor] | None,
-        need_weights: bool,
-        use_cache: bool = False,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
-        extras: list[tuple[Tensor, Tensor] | Tensor | None] = []
+        self, x: Tensor, rotary: RotaryEmbedding, rope: tuple[Tensor, Tensor], need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The block over tokens that see only each other (no cache): the output and, with
+        ``need_weights``, the attention probabilities. Tensors in and out, so that a compiled
+        or FSDP-wrapped block is called the same way every step."""
+        probs: list[Tensor | None] = []
 
         def attention(x_in: Tensor) -> Tensor:
-            out, new_past, probs = self.attention(
-                x_in, rotary, rope_q, rope_k, past, need_weights, use_cache
-            )
-            extras.extend((new_past, probs))
+            out, _, weights = self.attention(x_in, rotary, rope, rope, None, need_weights)
+            probs.append(weights)
             return out
 
-        x = self.residual(x, attention)
-        new_past, probs = extras
-        return x, new_past, probs  # type: ignore[return-value]
+        return self.residual(x, attention), probs[0]
 
 
 class Decoder(nn.Module):
@@ -273,17 +321,18 @@ class CausalLM(nn.Module):
         self,
         input_ids: Tensor,
         position_ids: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (with ``need_weights``, also the
         attention probabilities: see :meth:`forward_with_attentions`).
 
-        ``position_ids`` [B, T] default to the next positions after the cache (0.. without one).
-        With a ``cache``, the new keys and values are appended to it and its positions grow.
+        ``position_ids`` [B, T] default to the next positions after a ``KVCache`` (0.. without
+        one). With a ``cache``, the new keys and values are added to it.
         """
-        logits, probs = self._run(input_ids, position_ids, cache, need_weights)
-        return (logits, probs) if need_weights else logits
+        attentions: list[Tensor] | None = [] if need_weights else None
+        logits = self.logits(self.hidden_states(input_ids, position_ids, cache, attentions))
+        return (logits, attentions) if attentions is not None else logits
 
     def forward_with_attentions(
         self,
@@ -298,42 +347,40 @@ class CausalLM(nn.Module):
         """
         return self(input_ids, position_ids, cache, need_weights=True)
 
-    def _run(
+    def hidden_states(
         self,
         input_ids: Tensor,
-        position_ids: Tensor | None,
-        cache: KVCache | None,
-        need_weights: bool,
-    ) -> tuple[Tensor, list[Tensor]]:
-        b, t = input_ids.shape
-        past_len = len(cache) if cache is not None else 0
-        if position_ids is None:
-            start = past_len
-            position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids.expand(b, t)
+        position_ids: Tensor | None = None,
+        cache: Cache | None = None,
+        attentions: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Hidden states [B, T, d] before the final norm: the one block loop that training, the
+        evaluators and generation all run.
+
+        Without a cache every block is called as a module (hooks and ``torch.compile`` apply);
+        with one, the cache's :meth:`Cache.step` gives each layer's attention. ``attentions``,
+        when given, receives each layer's probabilities.
+        """
         decoder = self.gpt_neox
         x = decoder.embed_in(input_ids)
-        rope_q = decoder.rotary.cos_sin(position_ids, x.dtype)
-        rope_k = rope_q
-        if cache is not None and cache.positions is not None:
-            key_positions = torch.cat([cache.positions.expand(b, -1), position_ids], dim=1)
-            rope_k = decoder.rotary.cos_sin(key_positions, x.dtype)
-        all_probs: list[Tensor] = []
-        for i, block in enumerate(decoder.layers):
-            past = None
-            if cache is not None and cache.keys[i] is not None:
-                past = (cache.keys[i], cache.values[i])
-            x, new_past, probs = block(x, decoder.rotary, rope_q, rope_k, past, need_weights,
-                                       use_cache=cache is not None)
-            if cache is not None and new_past is not None:
-                cache.keys[i], cache.values[i] = new_past
-            if probs is not None:
-                all_probs.append(probs)
         if cache is not None:
-            previous = cache.positions
-            cache.positions = (
-                position_ids if previous is None
-                else torch.cat([previous.expand(b, -1), position_ids], dim=1)
-            )
-        return self.embed_out(decoder.final_layer_norm(x)), all_probs
+            attend = cache.step(decoder.rotary, input_ids, position_ids, x.dtype, attentions)
+            for i, block in enumerate(decoder.layers):
+                x = block.residual(x, functools.partial(attend, i, block.attention))
+            return x
+        rope = decoder.rotary.cos_sin(resolve_positions(position_ids, 0, input_ids), x.dtype)
+        for block in decoder.layers:
+            x, probs = block(x, decoder.rotary, rope, attentions is not None)
+            if attentions is not None and probs is not None:
+                attentions.append(probs)
+        return x
+
+    def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """Vocabulary logits of hidden states: the final norm, then the head. With ``out`` (rows x
+        vocab), written there, so that an evaluator reuses one buffer for every block."""
+        normed = self.gpt_neox.final_layer_norm(hidden)
+        if out is None:
+            return self.embed_out(normed)
+        if normed.dtype == out.dtype:
+            return torch.mm(normed, self.embed_out.weight.t(), out=out)
+        return out.copy_(self.embed_out(normed))

@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
+from sinklm.data.sinks import SinkPrefix
 from sinklm.eval.sinks import (
     TOKEN_CLASSES,
     classify_positions,
@@ -63,13 +64,14 @@ def test_classify_positions_marks_first_and_sink_ids() -> None:
 
 
 def test_windows_start_with_the_sink_ids() -> None:
-    windows = make_windows(torch.arange(10, 30), [7, 8], window=6, count=3)
+    windows = make_windows(torch.arange(10, 30), SinkPrefix([7, 8]), window=6, count=3)
     assert [w.tolist() for w in windows] == [
         [7, 8, 10, 11, 12, 13], [7, 8, 14, 15, 16, 17], [7, 8, 18, 19, 20, 21],
     ]
-    assert len(make_windows(torch.arange(10, 15), [], window=4, count=9)) == 1  # tail of 1 dropped
+    tail_dropped = make_windows(torch.arange(10, 15), SinkPrefix([]), window=4, count=9)
+    assert len(tail_dropped) == 1  # the tail of one token cannot be scored
     with pytest.raises(ValueError, match="cannot hold"):
-        make_windows(torch.arange(10), [1, 2], window=2, count=1)
+        make_windows(torch.arange(10), SinkPrefix([1, 2]), window=2, count=1)
 
 
 @pytest.mark.parametrize("softmax", ["softmax", "softmax1"])

@@ -11,16 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sinklm.data.sinks import SinkPrefix
 from sinklm.eval.cache import CachePolicy, Dense, StartRecent, parse_cache
-from sinklm.eval.streaming import (
-    HEAD_ROWS,
-    StartRecentState,
-    StreamError,
-    VocabHead,
-    evaluate,
-    fast_losses,
-    reference_losses,
-)
+from sinklm.eval.fast import HEAD_ROWS, VocabHead, fast_losses
+from sinklm.eval.reference import reference_losses
+from sinklm.eval.scoring import StreamError
+from sinklm.eval.start_recent import StartRecentCache
+from sinklm.eval.streaming import evaluate
+from sinklm.eval.texts import Stream
 from sinklm.models import SOFTMAX_VARIANTS, CausalLM, ModelConfig
 from sinklm.models.model import Attention
 
@@ -48,11 +46,15 @@ def sharp_model(softmax: str, sink_tokens: int = 0, seed: int = 0) -> CausalLM:
     return model
 
 
-def stream(length: int, sinks: int, seed: int = 1) -> torch.Tensor:
-    """Sink ids (the top ids of the vocabulary) then random text tokens."""
+def stream(length: int, sinks: int, seed: int = 1) -> tuple[torch.Tensor, SinkPrefix]:
+    """Random text tokens, and a prefix of sink ids (the top ids of the vocabulary)."""
     text = torch.randint(0, VOCAB - 2, (length,), generator=torch.Generator().manual_seed(seed))
-    sink_ids = torch.arange(VOCAB - 2, VOCAB - 2 + sinks)
-    return torch.cat([sink_ids, text])
+    return text, SinkPrefix(range(VOCAB - 2, VOCAB - 2 + sinks))
+
+
+def joined(text: torch.Tensor, prefix: SinkPrefix) -> torch.Tensor:
+    """The stream as the model reads it, built by hand: sink ids, then the text."""
+    return torch.cat([torch.tensor(prefix.ids, dtype=torch.long), text])
 
 
 # --- the reference, built independently ---------------------------------------------------------
@@ -121,30 +123,30 @@ def hand_losses(model: CausalLM, ids: torch.Tensor, policy: CachePolicy, sinks: 
 def test_reference_matches_hand_construction(softmax: str, spec: str) -> None:
     sinks = 1
     model = sharp_model(softmax, sink_tokens=sinks)
-    ids = stream(16, sinks)
+    text, prefix = stream(16, sinks)
     policy = parse_cache(spec)
-    got = reference_losses(model, ids, policy, sinks)
-    expected = torch.tensor(hand_losses(model, ids, policy, sinks))
+    got = reference_losses(model, text, policy, prefix)
+    expected = torch.tensor(hand_losses(model, joined(text, prefix), policy, sinks))
     assert got.shape == (16 - 1,)
     assert (got - expected).abs().max().item() < 1e-4
 
 
 def test_dense_reference_is_one_causal_forward() -> None:
     model = sharp_model("softmax")
-    ids = stream(40, 0)
+    text, _ = stream(40, 0)
     with torch.no_grad():
-        logits = model(ids.unsqueeze(0))[0, :-1]
-    expected = F.cross_entropy(logits, ids[1:], reduction="none")
-    assert (reference_losses(model, ids, Dense()) - expected).abs().max().item() < 1e-5
+        logits = model(text.unsqueeze(0))[0, :-1]
+    expected = F.cross_entropy(logits, text[1:], reduction="none")
+    assert (reference_losses(model, text, Dense()) - expected).abs().max().item() < 1e-5
 
 
 def test_cache_semantics_matter() -> None:
     """The tolerance is meaningful: neighbouring caches give clearly different losses."""
     model = sharp_model("softmax")
-    ids = stream(24, 0)
-    base = reference_losses(model, ids, StartRecent(2, 6))
+    text, _ = stream(24, 0)
+    base = reference_losses(model, text, StartRecent(2, 6))
     for other in (StartRecent(2, 7), StartRecent(1, 7), StartRecent(0, 8)):
-        assert (reference_losses(model, ids, other) - base).abs().max().item() > 1e-2
+        assert (reference_losses(model, text, other) - base).abs().max().item() > 1e-2
 
 
 # --- fast == reference -------------------------------------------------------------------------
@@ -158,13 +160,13 @@ CACHES = ["0+8", "1+7", "4+4", "dense", "2+0", "recompute:8", "recompute:8:3"]
 @pytest.mark.parametrize("sinks", [0, 1, 2])
 def test_fast_equals_reference(softmax: str, sinks: int) -> None:
     model = sharp_model(softmax, sink_tokens=sinks)
-    ids = stream(24, sinks)
+    text, prefix = stream(24, sinks)
     for spec in CACHES:
         policy = parse_cache(spec)
-        expected = reference_losses(model, ids, policy, sinks)
+        expected = reference_losses(model, text, policy, prefix)
         assert expected.shape == (24 - 1,)
         for chunk in (5, 64):
-            got = fast_losses(model, ids, policy, sinks, chunk_size=chunk)
+            got = fast_losses(model, text, policy, prefix, chunk_size=chunk)
             diff = (got - expected).abs().max().item()
             assert diff < 1e-4, f"{softmax} sinks={sinks} cache={spec} chunk={chunk}: {diff}"
 
@@ -173,10 +175,10 @@ def test_fast_equals_reference(softmax: str, sinks: int) -> None:
 def test_fast_equals_reference_with_query_blocks(softmax: str) -> None:
     """A cache of 4+196 splits each chunk into query blocks whose bands start mid-cache."""
     model = sharp_model(softmax, sink_tokens=1)
-    ids = stream(420, 1)
+    text, prefix = stream(420, 1)
     policy = StartRecent(4, 196)
-    expected = reference_losses(model, ids, policy, 1)
-    got = fast_losses(model, ids, policy, 1, chunk_size=300)
+    expected = reference_losses(model, text, policy, prefix)
+    got = fast_losses(model, text, policy, prefix, chunk_size=300)
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -185,18 +187,18 @@ def test_fast_equals_reference_when_chunk_sizes_change(softmax: str) -> None:
     """Chunks of changing sizes through the state: the geometry of full-cache chunks is built
     once per size and reused, and must not leak from one size to another."""
     model = sharp_model(softmax, sink_tokens=1)
-    ids = stream(90, 1)
+    text, prefix = stream(90, 1)
     policy = StartRecent(2, 9)
-    expected = reference_losses(model, ids, policy, 1)
-    state = StartRecentState.empty(model, policy)
-    hidden, a = [], 0
-    for size in [4, 3, 7, 7, 7, 5, 7, 7, 1, 1, 12, 20, 9]:  # the cache is full from 11 on
-        hidden.append(state.feed(model, ids[a : a + size]))
-        a += size
-    assert a == len(ids) - 1
+    expected = reference_losses(model, text, policy, prefix)
+    cache = StartRecentCache.empty(model, policy)
+    ids = joined(text, prefix)
+    logits, a = [], 0
     with torch.no_grad():
-        logits = model.embed_out(model.gpt_neox.final_layer_norm(torch.cat(hidden)))
-        got = F.cross_entropy(logits[1:], ids[2:], reduction="none")
+        for size in [4, 3, 7, 7, 7, 5, 7, 7, 1, 1, 12, 20, 9]:  # the cache is full from 11 on
+            logits.append(model(ids[None, a : a + size], cache=cache)[0])
+            a += size
+        assert a == len(ids) - 1
+        got = F.cross_entropy(torch.cat(logits)[1:], ids[2:], reduction="none")
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -205,16 +207,16 @@ def test_fast_path_takes_a_variant_from_the_model_alone(monkeypatch: pytest.Monk
     not from a copy of the math: a made-up variant (a sink logit of 1.5 in every head, output
     halved before the projection), defined on Attention only, gives the reference's losses."""
     model = sharp_model("softmax", sink_tokens=1)
-    ids = stream(40, 1)
+    text, prefix = stream(40, 1)
     policy = StartRecent(2, 9)
-    vanilla = reference_losses(model, ids, policy, 1)
+    vanilla = reference_losses(model, text, policy, prefix)
     sink = torch.full((model.config.n_head,), 1.5)
     output = Attention.output
     monkeypatch.setattr(Attention, "sink", lambda self: sink)
     monkeypatch.setattr(Attention, "output", lambda self, y, x: output(self, 0.5 * y, x))
-    expected = reference_losses(model, ids, policy, 1)
+    expected = reference_losses(model, text, policy, prefix)
     assert (expected - vanilla).abs().max().item() > 1e-2  # the variant changes the losses
-    got = fast_losses(model, ids, policy, 1, chunk_size=7)
+    got = fast_losses(model, text, policy, prefix, chunk_size=7)
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -235,11 +237,11 @@ def test_vocab_head_equals_cross_entropy_across_row_blocks() -> None:
 def test_fast_equals_reference_in_float64(softmax: str) -> None:
     """Models in another dtype than the fp32 logits buffer take the head's copy path."""
     model = sharp_model(softmax, sink_tokens=1).double()
-    ids = stream(30, 1)
+    text, prefix = stream(30, 1)
     for spec in ["0+8", "2+6"]:
         policy = parse_cache(spec)
-        expected = reference_losses(model, ids, policy, 1)
-        got = fast_losses(model, ids, policy, 1, chunk_size=7)
+        expected = reference_losses(model, text, policy, prefix)
+        got = fast_losses(model, text, policy, prefix, chunk_size=7)
         assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -248,10 +250,10 @@ def test_fast_runs_in_bfloat16(softmax: str) -> None:
     """bf16 takes the branches that accumulate in fp32 out of place. Both evaluators round
     bf16 in different orders, so they agree only to bf16 precision, not to 1e-4."""
     model = sharp_model(softmax, sink_tokens=1).to(torch.bfloat16)
-    ids = stream(30, 1)
+    text, prefix = stream(30, 1)
     policy = StartRecent(2, 6)
-    expected = reference_losses(model, ids, policy, 1)
-    got = fast_losses(model, ids, policy, 1, chunk_size=7)
+    expected = reference_losses(model, text, policy, prefix)
+    got = fast_losses(model, text, policy, prefix, chunk_size=7)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - expected).abs().max().item() < 0.1
 
@@ -259,15 +261,17 @@ def test_fast_runs_in_bfloat16(softmax: str) -> None:
 def test_fast_memory_is_bounded_by_the_cache() -> None:
     model = sharp_model("softmax")
     policy = StartRecent(3, 10)
-    state = StartRecentState.empty(model, policy)
-    ids = stream(200, 0)
+    cache = StartRecentCache.empty(model, policy)
+    text, _ = stream(200, 0)
     held = []
-    for a in range(0, 200, 7):
-        state.feed(model, ids[a : a + 7])
-        held.append(max(state.cached_tokens()))
+    with torch.no_grad():
+        for a in range(0, 200, 7):
+            model.hidden_states(text[None, a : a + 7], cache=cache)
+            held.append(len(cache))
     assert max(held) == policy.size
     assert all(n == policy.size for n in held[2:])
-    assert all(layer.initial_k.shape[1] == 3 for layer in state.layers)
+    assert all(layer.initial_k.shape[1] == 3 for layer in cache.layers)
+    assert all(layer.recent_k.shape[1] == 10 for layer in cache.layers)
 
 
 def resident_mib() -> float:
@@ -280,18 +284,18 @@ def test_fast_memory_is_flat_in_the_stream_length() -> None:
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(vocab_size=2048, n_layer=1, n_head=2, d_model=32,
                                  max_seq_len=64)).eval()
-    ids = torch.randint(0, 2048, (60_000,), generator=torch.Generator().manual_seed(0))
+    text = torch.randint(0, 2048, (60_000,), generator=torch.Generator().manual_seed(0))
     policy = StartRecent(4, 60)
-    fast_losses(model, ids[:20_000], policy)
+    fast_losses(model, text[:20_000], policy)
     before = resident_mib()
-    fast_losses(model, ids, policy)
+    fast_losses(model, text, policy)
     assert resident_mib() - before < 40  # ~40 chunks x 8 MB of logits if they were pinned
 
 
 def test_streams_shorter_than_the_cache_equal_dense_and_say_so() -> None:
     model = sharp_model("softmax")
-    ids = stream(12, 0)
-    dense, window = evaluate(model, [ids], [Dense(), StartRecent(2, 30)])
+    text, prefix = stream(12, 0)
+    dense, window = evaluate(model, [Stream("s", text, prefix)], [Dense(), StartRecent(2, 30)])
     assert (dense.losses - window.losses).max() < 1e-5
     assert window.notes and "never fill" in window.notes[0]
     assert not dense.notes
@@ -299,9 +303,10 @@ def test_streams_shorter_than_the_cache_equal_dense_and_say_so() -> None:
 
 def test_evaluate_concatenates_streams_and_scores_the_same_targets() -> None:
     model = sharp_model("sink_logit", sink_tokens=1)
-    streams = [stream(20, 1, seed=2), stream(9, 1, seed=3)]
+    streams = [Stream(f"s{seed}", *stream(length, 1, seed=seed)) for length, seed in ((20, 2),
+                                                                                      (9, 3))]
     fast, ref = (
-        evaluate(model, streams, [StartRecent(1, 5)], n_sink_ids=1, reference=reference)[0]
+        evaluate(model, streams, [StartRecent(1, 5)], reference=reference)[0]
         for reference in (False, True)
     )
     assert fast.tokens == ref.tokens == 19 + 8
@@ -317,20 +322,20 @@ def test_bad_streams_are_refused() -> None:
     with pytest.raises(StreamError, match="outside the model's 97-row embedding"):
         fast_losses(model, torch.tensor([1, 2, 500]), Dense())
     with pytest.raises(StreamError, match="at least two text tokens"):
-        reference_losses(model, torch.tensor([95, 3]), Dense(), n_sink_ids=1)
+        reference_losses(model, torch.tensor([3]), Dense(), SinkPrefix([95]))
     with pytest.raises(StreamError, match="sink ids"):
-        fast_losses(model, stream(10, 2), parse_cache("recompute:2"), n_sink_ids=2)
+        fast_losses(model, *stream(10, 2)[:1], parse_cache("recompute:2"), stream(10, 2)[1])
 
 
 @pytest.mark.parametrize("spec", ["2+30", "0+16", "dense", "recompute:24", "recompute:24:5"])
 def test_progress_counts_every_scored_token_once(spec: str) -> None:
     model = sharp_model("softmax", sink_tokens=1)
-    ids = stream(150, sinks=1)
+    text, prefix = stream(150, sinks=1)
     for losses in (fast_losses, reference_losses):
         told: list[int] = []
         kwargs = {"chunk_size": 32} if losses is fast_losses else {}
-        losses(model, ids, parse_cache(spec), 1, progress=told.append, **kwargs)
-        assert sum(told) == len(ids) - 2 and min(told) >= 0, losses.__name__
+        losses(model, text, parse_cache(spec), prefix, progress=told.append, **kwargs)
+        assert sum(told) == len(text) - 1 and min(told) >= 0, losses.__name__
 
 
 def test_stream_sequential_residual_fast_equals_reference() -> None:
@@ -339,8 +344,8 @@ def test_stream_sequential_residual_fast_equals_reference() -> None:
     config = ModelConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_seq_len=64,
                          use_parallel_residual=False)
     model = CausalLM(config).eval()
-    ids = torch.randint(0, 64, (200,))
+    text, prefix = torch.randint(0, 63, (200,)), SinkPrefix([63])
     for spec in ("1+31", "0+16", "dense"):
         policy = parse_cache(spec)
-        fast = fast_losses(model, ids, policy, 1, chunk_size=48)
-        assert (fast - reference_losses(model, ids, policy, 1)).abs().max().item() < 1e-4
+        fast = fast_losses(model, text, policy, prefix, chunk_size=48)
+        assert (fast - reference_losses(model, text, policy, prefix)).abs().max().item() < 1e-4

@@ -1,0 +1,265 @@
+"""The StreamingLLM start+recent cache (``x+y``) with position shift, for the model's forward.
+
+A :class:`StartRecentCache` is a :class:`sinklm.models.model.Cache`: ``model.hidden_states(ids,
+cache=cache)`` runs any number of next tokens of one stream through it, one token (generation)
+or a long chunk (evaluation, a long prompt) at a time, with the same result per token as
+feeding them one by one under the policy: the first x tokens and the y most recent stay, keys
+before rotary, and positions are re-assigned at every step.
+
+Why a chunk is exact. Under ``x+y`` with position shift, the query at stream index ``j`` sits
+at position ``P_j = min(j, x + y)``; the first x tokens sit at positions 0..x-1 and each recent
+token ``i`` (``max(x, j - y) <= i <= j``) at ``P_j - (j - i)``. Rotary scores depend only on the
+position difference, so recent keys are seen at their *true* distance ``j - i`` (a band, i.e.
+sliding-window attention over a chunk of queries) and initial keys at distance ``P_j - i``:
+separate score columns with the query rotated to ``P_j`` (see :class:`ChunkGeometry`). Both
+share one softmax row. A token's keys and values at every layer are computed once, when it is
+the query, from what the cache held then; the cache keeps exactly those (x initial and y recent
+per layer), so its memory is flat in the stream length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sinklm.models import CausalLM
+from sinklm.models.attention import sink_softmax
+from sinklm.models.model import Attention, LayerAttention, RotaryEmbedding
+
+from .cache import StartRecent
+
+
+@dataclass
+class LayerCache:
+    """One layer's keys (before rotary) and values [H, S, D]: the x initial and y recent."""
+
+    initial_k: Tensor
+    initial_v: Tensor
+    recent_k: Tensor
+    recent_v: Tensor
+
+
+Rope = tuple[Tensor, Tensor]
+
+
+@dataclass
+class ChunkGeometry:
+    """Rotary tables and the mask of one chunk of queries, shared by every layer.
+
+    The chunk's queries go in ``blocks`` blocks of ``block`` (the last padded). A query's score
+    row holds the prefix (the implicit sink, if any, then the initial keys the stream has
+    reached), then its block's window of ``y + block`` band keys: the padded band is the y keys
+    before the chunk, then the chunk's own, and window ``i`` starts at ``i * block``, so the
+    windows are overlapping views of one band tensor, never copied. Band keys sit at local
+    positions 0.. and the queries at y.., so angles stay small whatever the stream index;
+    for the prefix the query is rotated to ``P_j`` instead.
+
+    Everything here depends on the chunk's start only through ``min(start, x + y)``: once the
+    cache is full, every chunk of a given size has the same geometry (built once).
+    """
+
+    size: int  # queries in the chunk
+    band: Rope  # [1, prefix + y + blocks * block, r] at local positions -prefix..
+    query: Rope  # the chunk's queries at local positions y..
+    initial: Rope  # initial keys at 0..x-1 (those the stream has reached)
+    initial_query: Rope  # each query at P_j = min(j, x + y)
+    block: int
+    blocks: int
+    bias: Tensor  # [blocks, block, prefix + y + block]: 0 where a query sees a key, else -inf
+
+    @classmethod
+    def build(
+        cls, rotary: RotaryEmbedding, policy: StartRecent, start: int, size: int, block: int,
+        sink_key: bool, dtype: torch.dtype, device: torch.device,
+    ) -> ChunkGeometry:
+        x, y = policy.start, policy.recent
+        blocks = -(-size // block)
+        padded = blocks * block
+        query = torch.arange(start, start + padded, device=device).view(blocks, block, 1)
+        initial = torch.arange(min(x, start + size), device=device)  # those seen so far
+        prefix = sink_key + len(initial)
+        local = torch.arange(-prefix, y + padded, device=device)  # the keys' zero rows first
+        cos, sin = (table[0] for table in rotary.cos_sin(local[None], dtype))  # [1, n, r]
+        position_q = torch.clamp(query.reshape(1, -1), max=x + y)[:, :size]
+        window = torch.arange(y + block, device=device)
+        # Stream index of band key w in block i's window; the padded band starts at start - y.
+        key = (start - y) + torch.arange(blocks, device=device).view(blocks, 1, 1) * block + window
+        band = (key <= query) & (key >= torch.clamp(query - y, min=x))
+        mask = torch.cat([(initial <= query).expand(blocks, block, len(initial)), band], dim=-1)
+        if sink_key:
+            mask = torch.cat([mask.new_ones(blocks, block, 1), mask], dim=-1)
+        cos_i, sin_i = rotary.cos_sin(initial[None], dtype)
+        cos_q, sin_q = rotary.cos_sin(position_q, dtype)
+        return cls(
+            size=size,
+            band=(cos, sin),
+            query=(cos[:, prefix + y : prefix + y + size], sin[:, prefix + y : prefix + y + size]),
+            initial=(cos_i[0], sin_i[0]),
+            initial_query=(cos_q[0], sin_q[0]),
+            block=block,
+            blocks=blocks,
+            # An additive mask: adding it is many times faster than a broadcast masked_fill.
+            bias=torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
+                ~mask, float("-inf")
+            ),
+        )
+
+
+@dataclass
+class StartRecentCache:
+    """The ``x+y`` cache of one stream: at most x + y tokens per layer, before rotary."""
+
+    policy: StartRecent
+    layers: list[LayerCache]
+    next_index: int = 0  # stream index of the next token
+    steady: ChunkGeometry | None = None  # the geometry of full-cache chunks, of the last size
+    scratch: Tensor | None = None  # one head's score rows, reused (fresh ones cost page faults)
+
+    @classmethod
+    def empty(cls, model: CausalLM, policy: StartRecent) -> StartRecentCache:
+        """An empty cache for ``model``'s layers, in its dtype and on its device."""
+        config = model.config
+        param = next(model.parameters())
+        blank = param.new_zeros(config.n_head, 0, config.head_dim)
+        return cls(policy, [LayerCache(blank, blank, blank, blank) for _ in range(config.n_layer)])
+
+    @property
+    def query_block(self) -> int:
+        """Queries per block: a window holds y + block keys for at most y + 1 needed, so small
+        blocks waste less, but each block is one small matmul. 32 measured best for y = 252 on
+        CPU (24..64 within a few percent); y // 8 keeps the waste at 1.125x for big caches."""
+        return max(32, self.policy.recent // 8)
+
+    def __len__(self) -> int:
+        """Entries held per layer (initial + recent): never more than x + y."""
+        layer = self.layers[0]
+        return layer.initial_k.shape[1] + layer.recent_k.shape[1]
+
+    def _geometry(self, rotary: RotaryEmbedding, index: int, size: int, sink_key: bool,
+                  dtype: torch.dtype, device: torch.device) -> ChunkGeometry:
+        """The geometry of the chunk at stream index ``index``, reused while the cache is full
+        and the chunk size unchanged."""
+        start = min(index, self.policy.size)
+        steady = start == self.policy.size
+        if steady and self.steady is not None and self.steady.size == size:
+            return self.steady
+        blocks = -(-size // self.query_block)
+        geometry = ChunkGeometry.build(
+            rotary, self.policy, start, size,
+            block=-(-size // blocks),  # equal blocks: at most blocks - 1 padded queries
+            sink_key=sink_key, dtype=dtype, device=device,
+        )
+        if steady:
+            self.steady = geometry
+        return geometry
+
+    def _scratch(self, numel: int, like: Tensor) -> Tensor:
+        """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device."""
+        if self.scratch is None or self.scratch.numel() < numel or self.scratch.dtype != like.dtype:
+            self.scratch = like.new_empty(numel)
+        return self.scratch[:numel]
+
+    def step(self, rotary: RotaryEmbedding, input_ids: Tensor, position_ids: Tensor | None,
+             dtype: torch.dtype, attentions: list[Tensor] | None) -> LayerAttention:
+        """The next ``input_ids`` [1, T] of the stream: positions are the cache's to assign."""
+        if input_ids.shape[0] != 1 or position_ids is not None or attentions is not None:
+            raise ValueError("a start+recent cache takes one stream [1, T], assigns positions "
+                             "itself and returns no attention probabilities")
+        index, size = self.next_index, input_ids.shape[1]
+        self.next_index += size
+        geometry: list[ChunkGeometry] = []  # built by the first layer: it knows the variant
+
+        def attend(layer: int, attention: Attention, x: Tensor) -> Tensor:
+            if not geometry:
+                geometry.append(self._geometry(rotary, index, size, attention.sink() is not None,
+                                               x.dtype, x.device))
+            return self._attention(attention, rotary, x[0], index, layer=self.layers[layer],
+                                   geometry=geometry[0])[None]
+
+        return attend
+
+    def _attention(
+        self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, a: int, *,
+        layer: LayerCache, geometry: ChunkGeometry,
+    ) -> Tensor:
+        """Layer output [c, d] of the chunk ``x_in`` [c, d] starting at stream index ``a``."""
+        x, y = self.policy.start, self.policy.recent
+        c = x_in.shape[0]
+        h, d, r = attn.n_head, attn.head_dim, rotary.rotary_dims
+        blocks, block = geometry.blocks, geometry.block
+        padded, window = blocks * block, y + block
+        q, k, v = attn.heads(x_in)
+        if a < x:  # this chunk holds some of the first x tokens: kept for good
+            take = min(x - a, c)
+            layer.initial_k = torch.cat([layer.initial_k, k[:, :take]], dim=1)
+            layer.initial_v = torch.cat([layer.initial_v, v[:, :take]], dim=1)
+        sink = attn.sink()
+        first = int(sink is not None)  # the first initial key's column
+        prefix = first + layer.initial_k.shape[1]
+
+        # The band: y slots before the chunk (the first ones empty until y tokens have passed),
+        # then the chunk, then padding to whole blocks; the mask hides the empty slots. Keys get
+        # `prefix` more zero rows in front: window i of the keys is then
+        # keys[i * block : i * block + prefix + window], a strided view, and one bmm per head
+        # fills that head's contiguous scores (MKL's batched path); the first `prefix` columns,
+        # scored against zero keys, are overwritten with the prefix's scores. Each buffer is
+        # written once and rotated in place (rotary touches only the first r dims).
+        held = layer.recent_k.shape[1]
+        keys = _band(layer.recent_k, k, prefix + y - held, padded - c)
+        keys[..., :r] = rotary.rotate(keys[..., :r], *geometry.band)
+        values = _band(layer.recent_v, v, y - held, padded - c)
+        if c >= y:  # the new recent keys (before rotary) and values: views, no copy
+            layer.recent_k, layer.recent_v = k[:, c - y :], v[:, c - y :]
+        else:
+            layer.recent_k = torch.cat([layer.recent_k, k], dim=1)[:, -y:]
+            layer.recent_v = torch.cat([layer.recent_v, v], dim=1)[:, -y:]
+        scale = 1.0 / math.sqrt(d)
+        query = q.new_empty(h, padded, d)
+        torch.mul(q, scale, out=query[:, :c])
+        query[:, c:] = 0.0  # padded queries: finite, and dropped below
+        query[:, :c, :r] = rotary.rotate(query[:, :c, :r], *geometry.query)
+        if prefix > first:  # for the initial keys: the query rotated to P_j
+            initial_k = layer.initial_k
+            initial_query = rotary.rotate(q[..., :r] * scale, *geometry.initial_query)
+            initial_rotated = rotary.rotate(initial_k[..., :r], *geometry.initial)
+
+        # One head at a time, so that its score rows [blocks, block, prefix + window] stay in
+        # cache from the scores through the softmax to the values; the buffer is reused by
+        # every head, layer and chunk. A row holds the prefix columns (the implicit sink's slot
+        # if any, which sink_softmax fills, then the initial keys seen so far), then the
+        # block's window of the band.
+        scores = self._scratch(blocks * block * (prefix + window), q).view(blocks, block, -1)
+        rows = scores.view(padded, -1)
+        key_windows = keys.unfold(1, prefix + window, block)  # [h, blocks, d, prefix + window]
+        value_windows = values.unfold(1, window, block).transpose(-1, -2)  # [h, blocks, window, d]
+        out = q.new_empty(h, blocks, block, d)
+        for head in range(h):
+            torch.bmm(query[head].view(blocks, block, d), key_windows[head], out=scores)
+            if prefix > first:  # rotated dims against P_j, the others as the band query's
+                initial = rows[:c, first:prefix]
+                torch.mm(initial_query[head], initial_rotated[head].t(), out=initial)
+                initial.addmm_(query[head, :c, r:], initial_k[head, :, r:].t())
+                rows[c:, first:prefix] = 0.0  # padded queries: finite, and dropped below
+            scores += geometry.bias
+            probs = sink_softmax(scores, None if sink is None else sink[head], out=scores)
+            torch.bmm(probs[..., prefix:], value_windows[head], out=out[head])
+            if prefix > first:
+                out[head].view(padded, d).addmm_(probs.view(padded, -1)[:, first:prefix],
+                                                 layer.initial_v[head])
+        return attn.output(out.view(h, padded, d)[:, :c], x_in)
+
+
+def _band(held: Tensor, new: Tensor, before: int, after: int) -> Tensor:
+    """[H, before + held + new + after, D]: the held and new rows between zero rows, one copy."""
+    h, n, d = held.shape[0], held.shape[1] + new.shape[1], held.shape[2]
+    band = held.new_empty(h, before + n + after, d)
+    band[:, :before] = 0.0
+    band[:, before : before + held.shape[1]] = held
+    band[:, before + held.shape[1] : before + n] = new
+    band[:, before + n :] = 0.0
+    return band
+
+
