@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from sinklm.data.sinks import SinkPrefix
 from sinklm.eval.cache import parse_cache
-from sinklm.eval.streaming import DEFAULT_CHUNK, VocabHead, fast_losses, reference_losses
+from sinklm.eval.fast import DEFAULT_CHUNK, VocabHead, fast_losses
+from sinklm.eval.reference import reference_losses
 from sinklm.models import PRESETS, VARIANTS, CausalLM, ModelConfig
 
 
@@ -130,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     n_sink_ids = config.sink_tokens
     generator = torch.Generator().manual_seed(args.seed + 1)
     text = torch.randint(0, config.vocab_size - n_sink_ids, (args.tokens,), generator=generator)
-    sink_ids = torch.arange(config.vocab_size - n_sink_ids, config.vocab_size)
-    ids = torch.cat([sink_ids, text]).to(args.device)
+    text = text.to(args.device)
+    sinks = SinkPrefix(range(config.vocab_size - n_sink_ids, config.vocab_size))
 
     def run_fast() -> tuple[torch.Tensor, Timing]:
-        return timed(lambda: fast_losses(model, ids, policy, n_sink_ids, args.chunk_size),
+        return timed(lambda: fast_losses(model, text, policy, sinks, args.chunk_size),
                      args.device)
 
     # Rounds of fast runs on both sides of one reference run: a load that changes meanwhile
@@ -152,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         before = [run_fast() for _ in range(-(-repeat // 2))]
         if head is None:
             peak_after_fast = peak_rss_mib()
-            head, no_attention = floors(model, ids, args.device, args.chunk_size)
+            head, no_attention = floors(model, text, args.device, args.chunk_size)
         if not args.fast_only:
             torch.set_num_threads(args.reference_threads or threads)
             reference, reference_time = timed(
-                lambda: reference_losses(model, ids[: n_sink_ids + prefix], policy, n_sink_ids),
+                lambda: reference_losses(model, text[:prefix], policy, sinks),
                 args.device,
             )
             torch.set_num_threads(threads)

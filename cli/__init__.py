@@ -1,1 +1,2 @@
-"""The `sinklm` command line: one entry point (`main.py`), a module per group of commands."""
+"""The `sinklm` command line: the subcommand table and `main` (`main.py`), then the modules that
+define and run the commands."""

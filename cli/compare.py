@@ -5,32 +5,29 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sinklm.cli.evaluate import check_device, user_errors
+from sinklm.cli.evaluate import check_device
 from sinklm.cli.main import UserError, check_at_least
-from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, default_device
-from sinklm.eval.zeroshot_tasks import ZeroshotError
+from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, OFFLINE_HINT, default_device
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "compare",
-        help="compare checkpoints: streaming perplexity, sinks and zero-shot in one report",
-        description="Evaluate several checkpoints (a .ckpt, an exported or GPTNeoX folder, a Hub "
+def define_compare(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Evaluate several checkpoints (a .ckpt, an exported or GPTNeoX folder, a Hub "
         "id) on the same text and tasks, and write DIR/report.md, report.json, streaming.csv "
         "(StreamingLLM's Table 3: perplexity per cache), zeroshot.csv (Table 4: acc / acc_norm "
         "per task) and plots (perplexity per cache, attention on the first token per layer, "
         "running perplexity per model). Results are cached in DIR/cache per checkpoint "
         "(path, size and mtime of its files) and setting, so a rerun computes only what is "
-        "missing. Models are named by their configs.",
-        epilog="example: sinklm compare runs/demo/vanilla/checkpoints/last.ckpt \\\n"
+        "missing. Models are named by their configs.")
+    parser.epilog = (
+        "example: sinklm compare runs/demo/vanilla/checkpoints/last.ckpt \\\n"
         "           runs/demo/sink_token/checkpoints/last.ckpt \\\n"
         "           --text ../shared/data/books/frankenstein_shelley_pg84.txt \\\n"
         "           --max-tokens 16384 --cache 0+256,1+255,2+254,4+252,dense \\\n"
         "           --tasks arc_easy,piqa --data-dir ../shared/data/benchmarks --limit 200 \\\n"
         "           --output runs/compare\n"
         "caches: X+Y (0+Y is window attention), dense, recompute:L[:S]. Default: the paper's\n"
-        "grid with X+Y = half the shortest trained context of the checkpoints.",
-    )
+        "grid with X+Y = half the shortest trained context of the checkpoints.")
     parser.add_argument("checkpoints", nargs="+", metavar="P",
                         help="checkpoints to compare: .ckpt, folder or Hub id")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -65,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_compare(args: argparse.Namespace) -> int:
     from sinklm.eval.cache import parse_caches
-    from sinklm.eval.compare import CompareError, Settings, compare
+    from sinklm.eval.compare import Settings, compare
 
     check_at_least(("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
                    ("--batch-size", args.batch_size, 1))
@@ -74,20 +71,17 @@ def run_compare(args: argparse.Namespace) -> int:
     tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
     if args.data_dir is not None and not tasks:
         raise UserError("--data-dir is for zero-shot tasks; name them with --tasks")
+    settings = Settings(
+        texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
+        caches=tuple(parse_caches(args.cache)) if args.cache is not None else None,
+        max_tokens=args.max_tokens, tasks=tasks, data_dir=args.data_dir, limit=args.limit,
+        batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters,
+        device=args.device, dtype=args.dtype,
+    )
     try:
-        settings = Settings(
-            texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
-            caches=tuple(parse_caches(args.cache)) if args.cache is not None else None,
-            max_tokens=args.max_tokens, tasks=tasks, data_dir=args.data_dir, limit=args.limit,
-            batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters,
-            device=args.device, dtype=args.dtype,
-        )
         report = compare(args.checkpoints, args.output, settings, args.overwrite)
-    except (*user_errors(), CompareError, ZeroshotError) as error:
-        raise UserError(error) from None
     except ConnectionError as error:  # datasets cannot reach the Hub
-        raise UserError(f"{error}: the Hub datasets need the network; --data-dir FOLDER "
-                           "reads local files instead", code=1) from None
+        raise UserError(f"{error}: {OFFLINE_HINT}", code=1) from None
     print(report.streaming_table)
     print()
     print("\n".join(report.findings))

@@ -9,7 +9,6 @@ from typing import Any
 
 import yaml
 
-from sinklm.cli.main import UserError
 from sinklm.data.errors import DataError
 from sinklm.data.packing import PrepareConfig, prepare_data
 from sinklm.data.sources import Source, SourceSpec
@@ -110,24 +109,22 @@ def _merged(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     return data
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    prepare = subparsers.add_parser(
-        "prepare-data",
-        help="tokenize a corpus into packed token shards (reused when inputs are unchanged)",
-        description="Tokenize documents (a Hub dataset or local files) in parallel, append the "
+def define_prepare_data(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Tokenize documents (a Hub dataset or local files) in parallel, append the "
         "end-of-document id to each, split train/validation by document, and write "
         "memory-mapped token shards plus DIR/meta.json. A second run with the same inputs "
-        "reuses DIR; other inputs are refused unless --overwrite.",
-        epilog="example: sinklm prepare-data --reflow --val-fraction 0.05 \\\n"
+        "reuses DIR; other inputs are refused unless --overwrite.")
+    parser.epilog = (
+        "example: sinklm prepare-data --reflow --val-fraction 0.05 \\\n"
         "           --source ../shared/data/corpus/english_pd_mix.jsonl.gz \\\n"
         "           --tokenizer ../shared/data/tokenizers/gpt-neox-20b/tokenizer.json \\\n"
         "           --output packed/english_pd_mix\n"
         "         sinklm prepare-data --config configs/data/local_corpus.yaml\n"
         "         sinklm prepare-data --synthetic bigram-backcopy --param tokens=2000000 \\\n"
-        "           --val-fraction 0.05 --output packed/bigram_backcopy",
-    )
-    _add_source_arguments(prepare)
-    synthetic = prepare.add_argument_group(
+        "           --val-fraction 0.05 --output packed/bigram_backcopy")
+    _add_source_arguments(parser)
+    synthetic = parser.add_argument_group(
         "synthetic source (instead of --source; see configs/data/bigram_backcopy.yaml)")
     synthetic.add_argument("--synthetic", choices=GENERATORS,
                            help="generate the documents: Bigram-Backcopy, the sink lab's task")
@@ -135,48 +132,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            help="a generator parameter (repeatable): vocab, triggers, table "
                            "(random or a text file), unit, successors, zipf, dirichlet, "
                            "doc_tokens, tokens, seed, table_seed")
-    prepare.add_argument("--tokenizer", help=f"tokenizer.json, a folder, or a Hub id "
-                         f"(default {DEFAULT_TOKENIZER}, Pythia's; none for --synthetic)")
-    prepare.add_argument("--output", metavar="DIR", help="the packed-data folder to write")
-    prepare.add_argument("--val-fraction", type=float, metavar="F",
-                         help="share of documents for validation (default 0)")
-    prepare.add_argument("--seed", type=int, help="seed of the train/validation split (default 0)")
-    prepare.add_argument("--max-tokens", type=int, metavar="N",
-                         help="stop after about N tokens (for streamed sets)")
-    prepare.add_argument("--shard-tokens", type=int, metavar="N",
-                         help="tokens per shard file (default 2**30)")
-    prepare.add_argument("--overwrite", action="store_true", default=None,
-                         help="rebuild DIR when it was built from other inputs")
-    prepare.set_defaults(func=run_prepare)
+    parser.add_argument("--tokenizer", help=f"tokenizer.json, a folder, or a Hub id "
+                        f"(default {DEFAULT_TOKENIZER}, Pythia's; none for --synthetic)")
+    parser.add_argument("--output", metavar="DIR", help="the packed-data folder to write")
+    parser.add_argument("--val-fraction", type=float, metavar="F",
+                        help="share of documents for validation (default 0)")
+    parser.add_argument("--seed", type=int, help="seed of the train/validation split (default 0)")
+    parser.add_argument("--max-tokens", type=int, metavar="N",
+                        help="stop after about N tokens (for streamed sets)")
+    parser.add_argument("--shard-tokens", type=int, metavar="N",
+                        help="tokens per shard file (default 2**30)")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="rebuild DIR when it was built from other inputs")
+    parser.set_defaults(func=run_prepare)
 
-    train = subparsers.add_parser(
-        "train-tokenizer",
-        help="train a byte-level BPE tokenizer (GPT-NeoX style) on a corpus",
-        description="Train a byte-level BPE with <|endoftext|> (id 0) and <|padding|> (id 1), "
+
+def define_train_tokenizer(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Train a byte-level BPE with <|endoftext|> (id 0) and <|padding|> (id 1), "
         "NFC normalisation and GPT-NeoX's pre-tokenizer, and write DIR/tokenizer.json. Leave "
-        "room below the model's vocab_size for sink tokens.",
-        epilog="example: sinklm train-tokenizer --reflow \\\n"
+        "room below the model's vocab_size for sink tokens.")
+    parser.epilog = (
+        "example: sinklm train-tokenizer --reflow \\\n"
         "           --source ../shared/data/corpus/english_pd_mix.jsonl.gz \\\n"
-        "           --vocab-size 8000 --output tokenizers/english_pd_8k",
-    )
-    _add_source_arguments(train)
-    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                       help="ids in total, special tokens included")
-    train.add_argument("--output", required=True, metavar="DIR",
-                       help="folder for tokenizer.json")
-    train.add_argument("--min-frequency", type=int, default=2,
-                       help="a pair must occur this often to be merged (default 2)")
-    train.add_argument("--overwrite", action="store_true",
-                       help="replace an existing DIR/tokenizer.json")
-    train.set_defaults(func=run_train_tokenizer)
+        "           --vocab-size 8000 --output tokenizers/english_pd_8k")
+    _add_source_arguments(parser)
+    parser.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                        help="ids in total, special tokens included")
+    parser.add_argument("--output", required=True, metavar="DIR",
+                        help="folder for tokenizer.json")
+    parser.add_argument("--min-frequency", type=int, default=2,
+                        help="a pair must occur this often to be merged (default 2)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing DIR/tokenizer.json")
+    parser.set_defaults(func=run_train_tokenizer)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    try:
-        config = PrepareConfig.from_dict(_merged(args, _PREPARE_FLAGS))
-        meta = prepare_data(config)
-    except DataError as error:
-        raise UserError(error) from None
+    config = PrepareConfig.from_dict(_merged(args, _PREPARE_FLAGS))
+    meta = prepare_data(config)
     splits = {
         name: {"documents": s["documents"], "tokens": s["tokens"]}
         for name, s in meta["splits"].items()
@@ -196,20 +190,16 @@ def _check_tokenizer_output(output: Path, overwrite: bool) -> None:
 
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:
-    try:
-        _check_tokenizer_output(Path(args.output), args.overwrite)
-        merged = _merged(args, ())["source"]
-        if "synthetic" in merged:
-            raise DataError("a synthetic source brings its own tokenizer (one word per symbol): "
-                            "`sinklm prepare-data` writes it; nothing to train")
-        spec = SourceSpec.from_dict(merged)
-        source = Source(spec)
-        texts = (text for batch in source.iter_texts() for text in batch)
-        tokenizer = train_tokenizer(texts, args.vocab_size, args.min_frequency,
-                                    length=source.num_documents)
-        path = save_tokenizer(tokenizer, args.output)
-    except DataError as error:
-        raise UserError(error) from None
+    _check_tokenizer_output(Path(args.output), args.overwrite)
+    merged = _merged(args, ())["source"]
+    if "synthetic" in merged:
+        raise DataError("a synthetic source brings its own tokenizer (one word per symbol): "
+                        "`sinklm prepare-data` writes it; nothing to train")
+    source = Source(SourceSpec.from_dict(merged))
+    texts = (text for batch in source.iter_texts() for text in batch)
+    tokenizer = train_tokenizer(texts, args.vocab_size, args.min_frequency,
+                                length=source.num_documents)
+    path = save_tokenizer(tokenizer, args.output)
     print(json.dumps({"tokenizer": str(path),
                       "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
                       "eod_id": eod_token_id(tokenizer), "hash": tokenizer_hash(tokenizer)},

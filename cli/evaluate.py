@@ -13,22 +13,11 @@ from typing import TYPE_CHECKING
 from sinklm.cli.main import UserError, check_at_least
 from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, default_device
 from sinklm.cli.outputs import output_refusal
-from sinklm.models import ConfigError
 
 if TYPE_CHECKING:
+    from sinklm.data.sinks import SinkPrefix
     from sinklm.eval.texts import Stream
     from sinklm.models.load import Checkpoint
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """The errors that mean bad input (one line, exit 2). Their modules import torch, so they
-    are imported when a command runs, not when ``sinklm --help`` builds the parser."""
-    from sinklm.eval.cache import CacheSpecError
-    from sinklm.eval.streaming import StreamError
-    from sinklm.eval.texts import TextSourceError
-    from sinklm.models.load import CheckpointError
-
-    return CacheSpecError, CheckpointError, ConfigError, StreamError, TextSourceError
 
 
 def check_device(device: str) -> None:
@@ -62,59 +51,57 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    stream = subparsers.add_parser(
-        "stream-eval",
-        help="streaming perplexity with StreamingLLM KV caches (x initial + y recent tokens)",
-        description="Perplexity of a long stream (the text tokenized as one string, the "
+def define_stream_eval(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Perplexity of a long stream (the text tokenized as one string, the "
         "model's sink ids in front) when the KV cache keeps the first X and the Y most recent "
         "tokens, with positions re-assigned inside the cache. Writes results.json, per-token "
-        "losses (.npz) and a running-perplexity plot (.png) beside it, and prints the table.",
-        epilog="example: sinklm stream-eval --checkpoint EleutherAI/pythia-160m \\\n"
+        "losses (.npz) and a running-perplexity plot (.png) beside it, and prints the table.")
+    parser.epilog = (
+        "example: sinklm stream-eval --checkpoint EleutherAI/pythia-160m \\\n"
         "           --dataset deepmind/pg19:test --max-tokens 65536 \\\n"
         "           --cache 0+1024,1+1023,2+1022,4+1020,dense --output results.json\n"
         "caches: X+Y (0+Y is window attention), dense, recompute:L[:S] (sliding window of L\n"
         "tokens re-encoded for each token, or every S tokens). Default: the paper's grid with\n"
-        "X+Y = half the model's trained context.",
-    )
-    _add_common(stream)
-    stream.add_argument("--cache", help="comma-separated cache specs")
-    stream.add_argument("--max-tokens", type=int, metavar="N",
+        "X+Y = half the model's trained context.")
+    _add_common(parser)
+    parser.add_argument("--cache", help="comma-separated cache specs")
+    parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="evaluate the first N text tokens (across streams, in order)")
-    stream.add_argument("--reference", action="store_true",
+    parser.add_argument("--reference", action="store_true",
                         help="use the token-by-token reference evaluator (slow, the definition)")
-    stream.add_argument("--chunk-size", type=int, metavar="N",
+    parser.add_argument("--chunk-size", type=int, metavar="N",
                         help="queries per step of the fast evaluator (default 2048)")
-    stream.add_argument("--output", type=Path, default=Path("results.json"),
+    parser.add_argument("--output", type=Path, default=Path("results.json"),
                         help="results JSON; the .npz and .png go beside it")
-    stream.add_argument("--overwrite", action="store_true",
+    parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --output (and the files beside it)")
-    stream.set_defaults(func=run_stream_eval)
+    parser.set_defaults(func=run_stream_eval)
 
-    sinks = subparsers.add_parser(
-        "sinks",
-        help="attention-sink diagnostics: attention on the first positions per layer and head",
-        description="Measure where attention goes on windows of a text (each starting with the "
+
+def define_sinks(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measure where attention goes on windows of a text (each starting with the "
         "model's sink ids): mean attention to the first positions per layer and head, Gu et "
         "al.'s Sink_k^eps (share of heads whose mean attention to position k exceeds eps), the "
         "implicit sink's mass (softmax1, sink_logit), and which tokens each head attends to "
-        "(first position, sink ids, newline, punctuation, other). Writes JSON and plots.",
-        epilog="example: sinklm sinks --checkpoint EleutherAI/pythia-160m \\\n"
-        "           --text book.txt --window 512 --windows 8 --output sinks/pythia-160m.json",
-    )
-    _add_common(sinks)
-    sinks.add_argument("--window", type=int,
-                       help="tokens per window, sink ids included (default: min(512, context))")
-    sinks.add_argument("--windows", type=int, default=4, help="windows to average over")
-    sinks.add_argument("--first", type=int, default=4, help="report the first K positions")
-    sinks.add_argument("--eps", type=float, default=0.3, help="Sink_k^eps threshold")
-    sinks.add_argument("--map-size", type=int, default=16,
-                       help="positions shown in the attention-map plot")
-    sinks.add_argument("--output", type=Path, default=Path("sinks.json"),
-                       help="JSON report; plots go beside it")
-    sinks.add_argument("--overwrite", action="store_true",
-                       help="replace an existing --output (and the plots beside it)")
-    sinks.set_defaults(func=run_sinks)
+        "(first position, sink ids, newline, punctuation, other). Writes JSON and plots.")
+    parser.epilog = (
+        "example: sinklm sinks --checkpoint EleutherAI/pythia-160m \\\n"
+        "           --text book.txt --window 512 --windows 8 --output sinks/pythia-160m.json")
+    _add_common(parser)
+    parser.add_argument("--window", type=int,
+                        help="tokens per window, sink ids included (default: min(512, context))")
+    parser.add_argument("--windows", type=int, default=4, help="windows to average over")
+    parser.add_argument("--first", type=int, default=4, help="report the first K positions")
+    parser.add_argument("--eps", type=float, default=0.3, help="Sink_k^eps threshold")
+    parser.add_argument("--map-size", type=int, default=16,
+                        help="positions shown in the attention-map plot")
+    parser.add_argument("--output", type=Path, default=Path("sinks.json"),
+                        help="JSON report; plots go beside it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output (and the plots beside it)")
+    parser.set_defaults(func=run_sinks)
 
 
 def _warn(command: str, message: str) -> None:
@@ -139,17 +126,17 @@ def _check_source(args: argparse.Namespace) -> None:
         check_packed(args.packed)
 
 
-def _streams(args: argparse.Namespace, checkpoint: Checkpoint, sink_ids: list[int],
+def _streams(args: argparse.Namespace, checkpoint: Checkpoint, sinks: SinkPrefix,
              max_tokens: int | None) -> list[Stream]:
     """The streams of --text, --dataset or --packed in the checkpoint's tokens."""
     from sinklm.eval.texts import encode_streams, packed_streams, read_dataset, read_files
 
     if args.packed:
-        return packed_streams(args.packed, checkpoint.tokenizer, sink_ids, max_tokens)
+        return packed_streams(args.packed, checkpoint.tokenizer, sinks, max_tokens)
     documents: Iterator[tuple[str, str]] = (
         read_files(args.text) if args.text else read_dataset(args.dataset, args.text_column)
     )
-    return encode_streams(documents, checkpoint.tokenizer, sink_ids, max_tokens)
+    return encode_streams(documents, checkpoint.tokenizer, sinks, max_tokens)
 
 
 def run_stream_eval(args: argparse.Namespace) -> int:
@@ -157,6 +144,7 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     refusal = output_refusal(args.output, args.overwrite)
     if refusal:
         raise UserError(refusal)
+    from sinklm.data.sinks import SinkPrefix
     from sinklm.eval.cache import check_policies, paper_caches, parse_caches
     from sinklm.eval.report import format_ppl, markdown_table, write_outputs
     from sinklm.eval.streaming import DEFAULT_CHUNK, CacheResult, evaluate
@@ -164,35 +152,31 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     args.device = args.device or default_device()
     chunk_size = DEFAULT_CHUNK if args.chunk_size is None else args.chunk_size
     check_at_least(("--max-tokens", args.max_tokens, 2), ("--chunk-size", chunk_size, 1))
-    try:
-        policies = parse_caches(args.cache) if args.cache is not None else None
-        _check_source(args)
-        checkpoint = _load(args)
-        config = checkpoint.model.config
-        if policies is None:
-            policies = paper_caches(config.max_seq_len // 2)
-        sink_ids = checkpoint.sink_token_ids
-        streams = _streams(args, checkpoint, sink_ids, args.max_tokens)
-        longest = max(len(s.ids) for s in streams)
-        for warning in check_policies(policies, longest, config.max_seq_len, len(sink_ids)):
-            _warn(command, warning)
+    policies = parse_caches(args.cache) if args.cache is not None else None
+    _check_source(args)
+    checkpoint = _load(args)
+    config = checkpoint.model.config
+    if policies is None:
+        policies = paper_caches(config.max_seq_len // 2)
+    sinks = SinkPrefix(checkpoint.sink_token_ids)
+    streams = _streams(args, checkpoint, sinks, args.max_tokens)
+    longest = max(s.tokens for s in streams)
+    for warning in check_policies(policies, longest, config.max_seq_len, len(sinks)):
+        _warn(command, warning)
 
-        def report(result: CacheResult) -> None:
-            print(f"cache {result.policy.label}: ppl {format_ppl(result.ppl)} over "
-                  f"{result.tokens} tokens, {result.tokens_per_second:,.0f} tokens/s",
-                  file=sys.stderr)
-            for note in result.notes:
-                _warn(command, f"cache {result.policy.label}: {note}")
+    def report(result: CacheResult) -> None:
+        print(f"cache {result.policy.label}: ppl {format_ppl(result.ppl)} over "
+              f"{result.tokens} tokens, {result.tokens_per_second:,.0f} tokens/s",
+              file=sys.stderr)
+        for note in result.notes:
+            _warn(command, f"cache {result.policy.label}: {note}")
 
-        results = evaluate(checkpoint.model, [s.ids.to(args.device) for s in streams], policies,
-                           n_sink_ids=len(sink_ids), reference=args.reference,
-                           chunk_size=chunk_size, on_result=report, progress=True)
-    except user_errors() as error:
-        raise UserError(error) from None
+    results = evaluate(checkpoint.model, streams, policies, reference=args.reference,
+                       chunk_size=chunk_size, on_result=report, progress=True)
     header = {
         "checkpoint": args.checkpoint,
         "model": checkpoint.describe(),
-        "sink_token_ids": sink_ids,
+        "sink_token_ids": checkpoint.sink_token_ids,
         "tokens": sum(s.text_tokens - 1 for s in streams),
         "text_tokens": sum(s.text_tokens for s in streams),
         "streams": [{"name": s.name, "text_tokens": s.text_tokens} for s in streams],
@@ -220,6 +204,7 @@ def run_sinks(args: argparse.Namespace) -> int:
         raise UserError(refusal)
     import torch
 
+    from sinklm.data.sinks import SinkPrefix
     from sinklm.eval.sinks import markdown_summary, measure_text, plot_sinks
 
     args.device = args.device or default_device()
@@ -227,24 +212,21 @@ def run_sinks(args: argparse.Namespace) -> int:
                    ("--map-size", args.map_size, 1))
     if not 0.0 <= args.eps < 1.0:
         raise UserError(f"--eps {args.eps}: must lie in [0, 1)")
-    try:
-        _check_source(args)
-        checkpoint = _load(args)
-        config = checkpoint.model.config
-        window = args.window if args.window is not None else min(512, config.max_seq_len)
-        sink_ids = checkpoint.sink_token_ids
-        if window <= len(sink_ids) + 1:
-            raise UserError(f"--window {window}: must hold the {len(sink_ids)} sink ids "
-                               "and at least two text tokens")
-        if window > config.max_seq_len:
-            _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
-                  "positions the model was trained on")
-        budget = args.windows * (window - len(sink_ids))
-        streams = _streams(args, checkpoint, [], budget)
-        report = measure_text(checkpoint, torch.cat([s.ids for s in streams]), window,
-                              args.windows, args.first, args.eps, args.map_size)
-    except user_errors() as error:
-        raise UserError(error) from None
+    _check_source(args)
+    checkpoint = _load(args)
+    config = checkpoint.model.config
+    window = args.window if args.window is not None else min(512, config.max_seq_len)
+    sink_ids = checkpoint.sink_token_ids
+    if window <= len(sink_ids) + 1:
+        raise UserError(f"--window {window}: must hold the {len(sink_ids)} sink ids "
+                        "and at least two text tokens")
+    if window > config.max_seq_len:
+        _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
+              "positions the model was trained on")
+    budget = args.windows * (window - len(sink_ids))
+    streams = _streams(args, checkpoint, SinkPrefix(()), budget)
+    report = measure_text(checkpoint, torch.cat([s.text for s in streams]), window,
+                          args.windows, args.first, args.eps, args.map_size)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     plots = plot_sinks(report, args.output.with_suffix(""))
     document = {

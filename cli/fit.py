@@ -1,13 +1,11 @@
-"""How ``sinklm fit`` appears in ``sinklm --help``, and the text that opens ``sinklm fit --help``.
+"""The text that opens ``sinklm fit --help``.
 
-``sinklm.cli.main.main`` hands fit's arguments to LightningCLI (``train/fit.py``) untouched,
-so the parser registered here is never run; it only lists the command. The usage and
-description live here, without torch or Lightning imports, and LightningCLI shows the same.
+``sinklm.cli.main.main`` hands fit's arguments to LightningCLI (``train/fit.py``) untouched;
+LightningCLI shows this usage and description. They live with the command line, away from
+torch and Lightning, as every other command's help does.
 """
 
 from __future__ import annotations
-
-import argparse
 
 USAGE = "sinklm fit --config FILE [--SECTION.KEY VALUE ...] [--ckpt_path auto|PATH]"
 DESCRIPTION = """\
@@ -28,12 +26,3 @@ every setting in one file, to edit and pass back with --config:
   sinklm fit --config configs/experiments/pythia-160m-vanilla.yaml \\
       --print_config > run.yaml"""
 
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    subparsers.add_parser(
-        "fit",
-        help="train a model from a YAML config (LightningCLI)",
-        usage=USAGE,
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )

@@ -1,6 +1,6 @@
 """``sinklm export`` (a Hugging Face folder, optionally pushed) and ``sinklm zeroshot`` (lm-eval).
 
-Both take ``--checkpoint`` as every evaluator does (``eval.checkpoint.load_checkpoint``) and check
+Both take ``--checkpoint`` as every evaluator does (``models.load.load_checkpoint``) and check
 their cheap inputs (output paths, task names, data files, Hub token) before loading a model.
 """
 
@@ -11,82 +11,79 @@ import json
 from pathlib import Path
 
 from sinklm.cli.main import UserError
-from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES
+from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, OFFLINE_HINT
 from sinklm.cli.outputs import output_refusal, write_atomic
 from sinklm.eval.zeroshot_tasks import PAPER_TASKS
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    export = subparsers.add_parser(
-        "export",
-        help="write a checkpoint as a Hugging Face folder (and push it to the Hub)",
-        description=(
-            "Write safetensors weights, config.json, the tokenizer (which prepends the sink "
-            "tokens), generation_config.json and a model card with the training recipe and "
-            "the results files found beside the checkpoint. Vanilla and sink-token models "
-            "load as plain GPTNeoXForCausalLM; softmax1, sink_logit and gated models ship "
-            "their modeling code (trust_remote_code=True)."
-        ),
-        epilog="example: sinklm export --checkpoint "
+def define_export(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Write safetensors weights, config.json, the tokenizer (which prepends the sink "
+        "tokens), generation_config.json and a model card with the training recipe and "
+        "the results files found beside the checkpoint. Vanilla and sink-token models "
+        "load as plain GPTNeoXForCausalLM; softmax1, sink_logit and gated models ship "
+        "their modeling code (trust_remote_code=True)."
+    )
+    parser.epilog = (
+        "example: sinklm export --checkpoint "
         "runs/pythia-160m-sink_token/checkpoints/last.ckpt \\\n"
         "           --output exports/pythia-160m-sink_token\n"
         "         sinklm export --checkpoint runs/pythia-160m-zero_sink/checkpoints/last.ckpt \\\n"
         "           --output exports/pythia-160m-zero_sink "
-        "--push-to-hub me/pythia-160m-zero-sink --private",
+        "--push-to-hub me/pythia-160m-zero-sink --private"
     )
-    export.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
-    export.add_argument("--output", required=True, help="the folder to write")
-    export.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
-    export.add_argument(
+    parser.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
+    parser.add_argument("--output", required=True, help="the folder to write")
+    parser.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
+    parser.add_argument(
         "--dtype", choices=DTYPE_NAMES, default="float32", help="precision of the saved weights"
     )
-    export.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this repo")
-    export.add_argument("--private", action="store_true", help="create the Hub repo private")
-    export.add_argument(
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this repo")
+    parser.add_argument("--private", action="store_true", help="create the Hub repo private")
+    parser.add_argument(
         "--overwrite", action="store_true",
         help="write into an existing folder, replacing the export's files (others stay)",
     )
-    export.set_defaults(func=run_export)
+    parser.set_defaults(func=run_export)
 
-    zeroshot = subparsers.add_parser(
-        "zeroshot",
-        help="zero-shot benchmarks through lm-eval, sink ids in front of every request",
-        description=(
-            "Score a checkpoint on lm-eval tasks at zero shots and write acc and acc_norm (where "
-            "a task has them) with their stderr, and the lm-eval version, to a JSON file. With "
-            "--data-dir the tasks read local files (the layout of ../shared/data/benchmarks) "
-            "with lm-eval's own task definitions; without it, lm-eval's Hub datasets."
-        ),
-        epilog="example: sinklm zeroshot --checkpoint "
+
+def define_zeroshot(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Score a checkpoint on lm-eval tasks at zero shots and write acc and acc_norm (where "
+        "a task has them) with their stderr, and the lm-eval version, to a JSON file. With "
+        "--data-dir the tasks read local files (the layout of ../shared/data/benchmarks) "
+        "with lm-eval's own task definitions; without it, lm-eval's Hub datasets."
+    )
+    parser.epilog = (
+        "example: sinklm zeroshot --checkpoint "
         "runs/pythia-160m-sink_token/checkpoints/last.ckpt \\\n"
         "           --data-dir ../shared/data/benchmarks --limit 100 "
-        "--output runs/pythia-160m-sink_token/zeroshot_results.json",
+        "--output runs/pythia-160m-sink_token/zeroshot_results.json"
     )
-    zeroshot.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
-    zeroshot.add_argument(
+    parser.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
+    parser.add_argument(
         "--tasks", default=",".join(PAPER_TASKS),
         help="comma-separated lm-eval task names (default: the paper's seven)",
     )
-    zeroshot.add_argument("--limit", type=int, help="score only the first N items of each task")
-    zeroshot.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
-    zeroshot.add_argument("--data-dir", help="read the tasks from local files in this folder")
-    zeroshot.add_argument("--output", required=True, help="the results JSON file to write")
-    zeroshot.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    zeroshot.add_argument("--device", help=DEVICE_HELP)
-    zeroshot.add_argument(
+    parser.add_argument("--limit", type=int, help="score only the first N items of each task")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
+    parser.add_argument("--data-dir", help="read the tasks from local files in this folder")
+    parser.add_argument("--output", required=True, help="the results JSON file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument("--device", help=DEVICE_HELP)
+    parser.add_argument(
         "--dtype", choices=DTYPE_NAMES, default="float32", help="precision of the weights"
     )
-    zeroshot.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
-    zeroshot.add_argument(
+    parser.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
+    parser.add_argument(
         "--bootstrap-iters", type=int, default=100_000,
         help="resamples for the stderr of non-mean metrics (lambada perplexity)",
     )
-    zeroshot.set_defaults(func=run_zeroshot)
+    parser.set_defaults(func=run_zeroshot)
 
 
 def run_export(args: argparse.Namespace) -> int:
     from sinklm.models.hub import (
-        ExportError,
         HubError,
         check_hub_token,
         check_output,
@@ -95,31 +92,28 @@ def run_export(args: argparse.Namespace) -> int:
         find_training_recipe,
         push_to_hub,
     )
-    from sinklm.models.load import DTYPES, CheckpointError, load_checkpoint
+    from sinklm.models.load import DTYPES, load_checkpoint
 
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO_ID; give both")
-    try:
-        check_output(args.output, args.checkpoint, args.overwrite)
-        if args.push_to_hub:
-            check_hub_token(args.push_to_hub)
-        checkpoint = load_checkpoint(args.checkpoint, args.tokenizer, dtype=DTYPES[args.dtype])
-        folder = export_model(
-            checkpoint,
-            args.output,
-            training=find_training_recipe(checkpoint.source),
-            results=find_results(checkpoint.source),
-            repo_id=args.push_to_hub,
-            overwrite=args.overwrite,
-        )
-    except (CheckpointError, ExportError, HubError) as error:
-        raise UserError(error) from None
-    print(f"sinklm export: wrote {folder}")
+    check_output(args.output, args.checkpoint, args.overwrite)
     if args.push_to_hub:
         try:
-            url = push_to_hub(folder, args.push_to_hub, private=args.private)
-        except HubError as error:
-            raise UserError(error, code=1) from None
+            check_hub_token(args.push_to_hub)
+        except HubError as error:  # a malformed repo id or no token: the user's to fix, exit 2
+            raise UserError(error) from None
+    checkpoint = load_checkpoint(args.checkpoint, args.tokenizer, dtype=DTYPES[args.dtype])
+    folder = export_model(
+        checkpoint,
+        args.output,
+        training=find_training_recipe(checkpoint.source),
+        results=find_results(checkpoint.source),
+        repo_id=args.push_to_hub,
+        overwrite=args.overwrite,
+    )
+    print(f"sinklm export: wrote {folder}")
+    if args.push_to_hub:
+        url = push_to_hub(folder, args.push_to_hub, private=args.private)
         print(f"sinklm export: pushed to {url}")
     return 0
 
@@ -128,8 +122,7 @@ def run_zeroshot(args: argparse.Namespace) -> int:
     from lm_eval.utils import make_table
 
     from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize
-    from sinklm.eval.zeroshot_tasks import ZeroshotError, task_specs
-    from sinklm.models.load import CheckpointError
+    from sinklm.eval.zeroshot_tasks import task_specs
 
     output = Path(args.output).expanduser()
     refusal = output_refusal(output, args.overwrite)
@@ -146,11 +139,8 @@ def run_zeroshot(args: argparse.Namespace) -> int:
             args.checkpoint, args.batch_size, args.device, args.dtype, args.tokenizer
         )
         raw = evaluate(model, specs, limit=args.limit, bootstrap_iters=args.bootstrap_iters)
-    except (ZeroshotError, CheckpointError) as error:
-        raise UserError(error) from None
     except ConnectionError as error:  # datasets cannot reach the Hub
-        hint = "the Hub datasets need the network; --data-dir FOLDER reads local files instead"
-        raise UserError(f"{error}: {hint}", code=1) from None
+        raise UserError(f"{error}: {OFFLINE_HINT}", code=1) from None
     settings = {
         "checkpoint": args.checkpoint,
         "tasks": tasks,

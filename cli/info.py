@@ -6,7 +6,7 @@ import argparse
 import json
 
 from sinklm.cli.main import UserError
-from sinklm.models.config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ConfigError, ModelConfig
+from sinklm.models.config import PRESETS, SOFTMAX_VARIANTS, VARIANTS, ModelConfig
 
 
 def count_params(config: ModelConfig) -> int:
@@ -19,23 +19,19 @@ def count_params(config: ModelConfig) -> int:
         return CausalLM(config).num_params()
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "info",
-        help="print a model preset's parameter count and config as JSON",
-        description="Print {name, params, config} for a preset as JSON.",
-        epilog="example: sinklm info pythia-160m --variant sink_token\n"
-        "         sinklm info --list",
-    )
+def define_info(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Print {name, params, config} for a preset as JSON."
+    parser.epilog = ("example: sinklm info pythia-160m --variant sink_token\n"
+                     "         sinklm info --list")
     parser.add_argument("preset", nargs="?", help=f"one of {', '.join(PRESETS)}")
     parser.add_argument("--list", action="store_true", help="list every preset with its size")
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="a named variant")
     parser.add_argument("--softmax", choices=SOFTMAX_VARIANTS, help="attention.softmax")
     parser.add_argument("--sink-tokens", type=int, help="number of sink tokens")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run_info)
 
 
-def run(args: argparse.Namespace) -> int:
+def run_info(args: argparse.Namespace) -> int:
     if args.list:
         rows = [
             {"name": name, "params": count_params(ModelConfig.from_preset(name))}
@@ -45,14 +41,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.preset:
         raise UserError("name a preset (or pass --list to see them)")
-    try:
-        config = ModelConfig.from_preset(args.preset, variant=args.variant)
-        if args.softmax is not None:
-            config = config.replace(attention={"softmax": args.softmax})
-        if args.sink_tokens is not None:
-            config = config.replace(sink_tokens=args.sink_tokens)
-    except ConfigError as error:
-        raise UserError(error) from None
+    config = ModelConfig.from_preset(args.preset, variant=args.variant)
+    if args.softmax is not None:
+        config = config.replace(attention={"softmax": args.softmax})
+    if args.sink_tokens is not None:
+        config = config.replace(sink_tokens=args.sink_tokens)
     print(json.dumps({"name": config.name, "params": count_params(config),
                       "config": config.to_dict()}, indent=2))
     return 0

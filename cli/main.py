@@ -1,11 +1,10 @@
 """The ``sinklm`` console script: the subcommand table, ``main`` and the one error type.
 
-Each module of ``cli/`` registers a group of subcommands (``register(subparsers)``); the table
-below lists them, so a user never needs to know module paths. Every error a user can act on
-derives from :class:`UserError`, wherever it is raised; ``main`` prints it as one line. This
-module imports nothing of sinklm at import time, so every package may derive its errors from
-``UserError`` and ``sinklm --help`` stays fast. ``bundled_file`` finds the configs and SLURM
-template installed with sinklm.
+``COMMANDS`` lists every subcommand, so a user never needs to know module paths. Every error a
+user can act on derives from :class:`UserError`, wherever it is raised; a command raises it and
+``main`` prints it as one line. This module imports nothing of sinklm at import time, so every
+package may derive its errors from ``UserError`` and ``sinklm --help`` stays fast.
+``bundled_file`` finds the configs and SLURM template installed with sinklm.
 """
 
 from __future__ import annotations
@@ -14,8 +13,11 @@ import argparse
 import functools
 import importlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 
 class UserError(Exception):
@@ -37,19 +39,53 @@ def check_at_least(*limits: tuple[str, int | None, int]) -> None:
         if value is not None and value < low:
             raise UserError(f"{flag} {value}: must be at least {low}")
 
-# Packages whose cli.py registers subcommands, in the order --help lists them.
-COMMAND_MODULES = (
-    "sinklm.cli.info",
-    "sinklm.cli.data",
-    "sinklm.cli.fit",
-    "sinklm.cli.evaluate",
-    "sinklm.cli.hub",
-    "sinklm.cli.compare",
-    "sinklm.train.slurm",
-    "sinklm.cli.demo",
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand as ``sinklm --help`` lists it.
+
+    ``target`` is ``module:function``, imported only when needed: the function that fills in the
+    command's parser (description, example, arguments, and ``func``, which runs it), or, for a
+    ``passthrough`` command, the one that parses its own arguments and runs (fit: LightningCLI).
+    ``main`` hands the latter argv untouched; its bare parser exists only so that ``--help`` and
+    argparse's "invalid choice" message list it.
+    """
+
+    name: str
+    target: str
+    help: str
+    passthrough: bool = False
+
+    def function(self) -> Callable[..., Any]:
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# Every subcommand, in the order --help lists them.
+COMMANDS = (
+    Command("info", "sinklm.cli.info:define_info",
+            "print a model preset's parameter count and config as JSON"),
+    Command("prepare-data", "sinklm.cli.data:define_prepare_data",
+            "tokenize a corpus into packed token shards (reused when inputs are unchanged)"),
+    Command("train-tokenizer", "sinklm.cli.data:define_train_tokenizer",
+            "train a byte-level BPE tokenizer (GPT-NeoX style) on a corpus"),
+    Command("fit", "sinklm.train.fit:run_fit",
+            "train a model from a YAML config (LightningCLI)", passthrough=True),
+    Command("stream-eval", "sinklm.cli.evaluate:define_stream_eval",
+            "streaming perplexity with StreamingLLM KV caches (x initial + y recent tokens)"),
+    Command("sinks", "sinklm.cli.evaluate:define_sinks",
+            "attention-sink diagnostics: attention on the first positions per layer and head"),
+    Command("export", "sinklm.cli.hub:define_export",
+            "write a checkpoint as a Hugging Face folder (and push it to the Hub)"),
+    Command("zeroshot", "sinklm.cli.hub:define_zeroshot",
+            "zero-shot benchmarks through lm-eval, sink ids in front of every request"),
+    Command("compare", "sinklm.cli.compare:define_compare",
+            "compare checkpoints: streaming perplexity, sinks and zero-shot in one report"),
+    Command("slurm-submit", "sinklm.cli.slurm:define_slurm_submit",
+            "render an sbatch script for a training config and submit it"),
+    Command("demo", "sinklm.cli.demo:define_demo",
+            "the whole path on a CPU: the sink lab, then three tiny models on natural text"),
 )
-# Subcommands that parse their own arguments (LightningCLI): argv goes to them untouched.
-PASSTHROUGH = {"fit": "sinklm.train.fit:run_fit"}
 
 
 def bundled_file(path: str) -> Path:
@@ -71,21 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `sinklm COMMAND --help` for a command's options and an example.",
     )
     # Each command's epilog is a hand-laid example, printed as written.
-    command_parser = functools.partial(argparse.ArgumentParser,
-                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser_class = functools.partial(argparse.ArgumentParser,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                       parser_class=command_parser)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).register(subparsers)
+                                       parser_class=parser_class)
+    for command in COMMANDS:
+        command_parser = subparsers.add_parser(command.name, help=command.help)
+        if not command.passthrough:
+            command.function()(command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a ``UserError`` it raises becomes one line and the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASSTHROUGH:
-        module, function = PASSTHROUGH[argv[0]].split(":")
-        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    passthrough = {command.name: command for command in COMMANDS if command.passthrough}
+    if argv and argv[0] in passthrough:
+        return int(passthrough[argv[0]].function()(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

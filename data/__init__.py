@@ -10,10 +10,10 @@ every ``sinklm`` command imports this package and must not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import DataError
+from .lazy import lazy_exports
 from .packing import PrepareConfig, packed_tokenizer, prepare_data, read_meta
 from .sources import Source, SourceSpec, reflow
 from .tokenizer import (
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         build_loader,
     )
 
-_LAZY = {
+__getattr__ = lazy_exports(__name__, {
     "MegatronRows": ".megatron",
     "MMapIndexedDataset": ".megatron",
     "write_mmap_indexed": ".megatron",
@@ -48,7 +48,7 @@ _LAZY = {
     "ResumableSampler": ".windows",
     "SinkCollator": ".windows",
     "build_loader": ".windows",
-}
+})
 
 __all__ = [
     "DEFAULT_TOKENIZER",
@@ -77,11 +77,3 @@ __all__ = [
     "train_tokenizer",
     "write_mmap_indexed",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value

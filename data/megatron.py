@@ -39,7 +39,6 @@ DTYPE_CODES: dict[int, np.dtype] = {
     5: np.dtype(np.int64),
     8: np.dtype(np.uint16),
 }
-PYTHIA_ROW_TOKENS = 2049
 PYTHIA_BATCH_SIZE = 1024
 _HEADER = struct.Struct("<9sQBQQ")
 

@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .errors import DataError
+from .keys import reject_unknown_keys
 from .sources import Source, SourceSpec
 from .synthetic import BigramBackcopySpec, SyntheticSource
 from .tokenizer import DEFAULT_TOKENIZER, eod_token_id, load_tokenizer, token_dtype, tokenizer_hash
@@ -86,10 +87,7 @@ class PrepareConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrepareConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DataError(f"unknown data config keys {unknown}; allowed {sorted(known)}")
+        reject_unknown_keys(data, cls, "data config keys", DataError)
         missing = [key for key in ("source", "output") if data.get(key) is None]
         if missing:
             raise DataError(f"the data config needs {' and '.join(missing)}")

@@ -14,11 +14,12 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import DataError
+from .keys import reject_unknown_keys
 
 if TYPE_CHECKING:  # imported where used: training from packed shards needs neither
     import datasets
@@ -59,10 +60,7 @@ class SourceSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SourceSpec:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DataError(f"unknown source keys {unknown}; allowed {sorted(known)}")
+        reject_unknown_keys(data, cls, "source keys", DataError)
         if not data.get("path"):
             raise DataError("the source needs 'path': a Hub dataset id or a local file or folder")
         return cls(**data)

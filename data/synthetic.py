@@ -27,7 +27,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from .errors import DataError
+from .keys import reject_unknown_keys
 from .tokenizer import EOD_TOKEN
 
 BIGRAM_BACKCOPY = "bigram-backcopy"
@@ -135,11 +136,9 @@ class BigramBackcopySpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BigramBackcopySpec:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            allowed = sorted(known - {"synthetic"})
-            raise DataError(f"unknown bigram-backcopy parameters {unknown}; allowed {allowed}")
+        reject_unknown_keys(
+            data, cls, "bigram-backcopy parameters", DataError, hidden=("synthetic",)
+        )
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:

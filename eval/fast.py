@@ -49,9 +49,8 @@ class VocabHead:
 
     def __init__(self, model: CausalLM, rows: int) -> None:
         self.model = model
-        weight = model.embed_out.weight
-        self.logits = torch.empty(min(rows, HEAD_ROWS), weight.shape[0], dtype=torch.float32,
-                                  device=weight.device)
+        self.logits = torch.empty(min(rows, HEAD_ROWS), model.config.vocab_size,
+                                  dtype=torch.float32, device=next(model.parameters()).device)
 
     @torch.inference_mode()
     def losses(self, hidden: Tensor, targets: Tensor, out: Tensor) -> None:

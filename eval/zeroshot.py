@@ -37,10 +37,10 @@ from sinklm.data.errors import DataError
 from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import eod_token_id
 from sinklm.models import KVCache
+from sinklm.models.card import RESULTS_KIND
 from sinklm.models.load import DTYPES, Checkpoint, load_checkpoint
 
 from .zeroshot_tasks import (
-    RESULTS_KIND,
     ZeroshotError,
     data_source,
     task_manager,

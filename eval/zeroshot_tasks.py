@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 PAPER_TASKS = (
     "arc_easy", "arc_challenge", "hellaswag", "lambada_openai", "openbookqa", "piqa", "winogrande",
 )
-# The ``kind`` of a zero-shot results file, which model cards recognise.
-RESULTS_KIND = "sinklm-zeroshot"
 # Precisions a checkpoint is evaluated in.
 LOCAL_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 # Keys of an overlay's dataset_kwargs whose values are {split: glob inside the data folder}.

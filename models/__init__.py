@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sinklm.data.lazy import lazy_exports
 
 from .config import (
     BACKENDS,
@@ -22,7 +23,7 @@ from .config import (
 if TYPE_CHECKING:
     from .model import CausalLM, KVCache
 
-_LAZY = {"CausalLM": ".model", "KVCache": ".model"}
+__getattr__ = lazy_exports(__name__, {"CausalLM": ".model", "KVCache": ".model"})
 
 __all__ = [
     "BACKENDS",
@@ -35,11 +36,3 @@ __all__ = [
     "KVCache",
     "ModelConfig",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value

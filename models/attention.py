@@ -21,6 +21,7 @@ on CUDA otherwise, or for 1 < T < S, the memory-efficient kernel with a bottom-r
 flash-attn package's own forward-with-lse and backward are private functions whose signature
 changed between 2.5 and 2.7); ``flex`` asks FlexAttention for its lse, which autograd
 differentiates. Inputs no fused kernel takes (fp64 on CUDA, other devices) get the eager path.
+SDPA's kernels that return the lse are private torch ops, called through ``compat.py``.
 """
 
 from __future__ import annotations
@@ -34,14 +35,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compat import (
+    cpu_flash_attention,
+    cpu_flash_attention_backward,
+    cuda_flash_attention,
+    cuda_flash_attention_backward,
+    efficient_attention,
+    efficient_attention_backward,
+)
 from .config import ConfigError
 
 try:  # flash-attn is optional: it needs CUDA.
     from flash_attn import flash_attn_func  # type: ignore[import-not-found]
 except ImportError:
     flash_attn_func = None
-
-aten = torch.ops.aten
 
 
 def check_backend_available(backend: str) -> None:
@@ -150,15 +157,13 @@ class CpuFlashKernel:
     mask: Tensor | None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Attended:
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, self.is_causal, attn_mask=self.mask, scale=self.scale
-        )
+        out, lse = cpu_flash_attention(q, k, v, self.is_causal, self.mask, self.scale)
         return Attended(q, k, v, out, lse)
 
     def backward(self, grad: Tensor, run: Attended) -> Grads:
         q, k, v, out, lse, _ = run
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, self.is_causal, attn_mask=self.mask, scale=self.scale
+        return cpu_flash_attention_backward(
+            grad, q, k, v, out, lse, self.is_causal, self.mask, self.scale
         )
 
 
@@ -173,16 +178,13 @@ class CudaFlashKernel:
     is_causal: bool
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Attended:
-        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, self.is_causal, False, scale=self.scale
-        )
+        out, lse, seed, offset = cuda_flash_attention(q, k, v, self.is_causal, self.scale)
         return Attended(q, k, v, out, lse, (seed, offset))
 
     def backward(self, grad: Tensor, run: Attended) -> Grads:
         q, k, v, out, lse, (seed, offset) = run
-        return aten._scaled_dot_product_flash_attention_backward(  # no cumulative lengths: dense
-            grad, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, self.is_causal,
-            seed, offset, scale=self.scale,
+        return cuda_flash_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, self.is_causal, self.scale
         )
 
 
@@ -196,18 +198,16 @@ class CudaEfficientKernel:
     bias: Tensor | None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Attended:
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, self.bias, True, 0.0, self.is_causal, scale=self.scale
+        out, lse, seed, offset = efficient_attention(
+            q, k, v, self.bias, self.is_causal, self.scale
         )
         return Attended(q, k, v, out, lse, (seed, offset))
 
     def backward(self, grad: Tensor, run: Attended) -> Grads:
         q, k, v, out, lse, (seed, offset) = run
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, self.bias, out, lse, seed, offset, 0.0, [True, True, True, False],
-            self.is_causal, scale=self.scale,
+        return efficient_attention_backward(
+            grad, q, k, v, self.bias, out, lse, seed, offset, self.is_causal, self.scale
         )
-        return dq, dk, dv
 
 
 def _bottom_right_bias(q: Tensor, s: int) -> Tensor:

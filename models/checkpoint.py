@@ -1,9 +1,12 @@
 """sinklm's formats on disk: the `sinklm fit` checkpoint and the ``sinklm`` block of an export.
 
-Training writes the checkpoint entries, a resume checks them and every evaluator loads a model
-from them; `sinklm export` writes the config.json block that loading reads back. Every key lives
-here, below ``train`` and ``eval`` and without Lightning, so they stay in step and importing an
-evaluator does not import the trainer. The key strings are the on-disk format: changing one
+Training writes the checkpoint entries (the training module its model and schedule, the data
+module its tokenizer, sink ids and identity), a resume checks them and every evaluator loads a
+model from them. Every key of the checkpoint lives here, below ``train`` and ``eval`` and without
+Lightning, so they stay in step and importing an evaluator does not import the trainer. The
+export's config.json ``sinklm`` block is the one format kept elsewhere: ``convert.py`` defines it
+(``export_block``, ``read_export_block``), since exported folders ship that module and their
+code reads the block without sinklm. The key strings are the on-disk format: changing one
 orphans every checkpoint and export written so far.
 """
 
@@ -39,8 +42,6 @@ STATE_PREFIX = "model."
 GLOBAL_STEP_KEY = "global_step"
 CALLBACKS_KEY = "callbacks"
 PROBE_STATE_KEY = "SinkProbe"
-# The export's config.json block: which attention variant and sink ids the GPT-NeoX fields lack.
-EXPORT_BLOCK_KEY = "sinklm"
 
 
 class CheckpointFormatError(UserError, ValueError):
@@ -63,15 +64,35 @@ def write_entries(
     sink_ids: Sequence[int] = (),
     data: dict[str, str | None] | None = None,
 ) -> None:
-    """Add sinklm's entries to a checkpoint being saved: the model config always; the tokenizer
-    and sink ids when training had a tokenizer (evaluation needs them), with the data's identity
-    (a resume checks it)."""
+    """Add sinklm's entries to a checkpoint being saved: the model config, and the data's
+    entries (:func:`write_data_entries`) where given."""
     checkpoint[CHECKPOINT_KEY] = config.to_dict()
+    write_data_entries(checkpoint, tokenizer, sink_ids, data)
+
+
+def write_data_entries(
+    checkpoint: dict[str, Any],
+    tokenizer: Tokenizer | None,
+    sink_ids: Sequence[int] = (),
+    data: dict[str, str | None] | None = None,
+) -> None:
+    """The tokenizer and sink ids when training had a tokenizer (evaluation needs them), and the
+    data's identity (a resume checks it)."""
     if tokenizer is not None:
         checkpoint[TOKENIZER_KEY] = tokenizer.to_str()
         checkpoint[SINK_IDS_KEY] = list(sink_ids)
     if data is not None:
         checkpoint[DATA_KEY] = data
+
+
+def write_schedule(checkpoint: dict[str, Any], max_steps: int) -> None:
+    """The trainer.max_steps the lr schedule spans (the cosine's shape depends on it)."""
+    checkpoint[SCHEDULE_KEY] = {"max_steps": max_steps}
+
+
+def schedule_steps(checkpoint: dict[str, Any]) -> int | None:
+    """The trainer.max_steps the checkpoint's schedule spanned; None if it predates the record."""
+    return (checkpoint.get(SCHEDULE_KEY) or {}).get("max_steps")
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -105,44 +126,6 @@ def probe_history(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
     first_mass per layer); empty when the run had no probe."""
     probe = checkpoint.get(CALLBACKS_KEY, {}).get(PROBE_STATE_KEY, {})
     return [dict(row) for row in probe.get("history", [])]
-
-
-def export_block(
-    name: str, config: ModelConfig, sink_ids: Sequence[int], version: str
-) -> dict[str, Any]:
-    """config.json's ``sinklm`` block of an export: the variant and sink ids GPT-NeoX lacks."""
-    return {
-        "name": name,
-        "attention_softmax": config.attention.softmax,
-        "sink_tokens": config.sink_tokens,
-        "sink_token_ids": list(sink_ids),
-        "sinklm_version": version,
-    }
-
-
-class ExportBlock(NamedTuple):
-    """What loading reads back from config.json's ``sinklm`` block; a plain GPTNeoX (no block)
-    reads as vanilla softmax without sink ids."""
-
-    name: str | None
-    softmax: str
-    sink_tokens: int
-    sink_ids: list[int]
-
-
-def read_export_block(hf_config: Any) -> ExportBlock:
-    """The ``sinklm`` block of a transformers config (an attribute of it), checked: the sink id
-    list must match the sink count."""
-    block = getattr(hf_config, EXPORT_BLOCK_KEY, None) or {}
-    sink_tokens = int(block.get("sink_tokens", 0))
-    sink_ids = [int(i) for i in block.get("sink_token_ids") or []]
-    if len(sink_ids) != sink_tokens:
-        raise CheckpointFormatError(
-            f"config.json says sink_tokens={sink_tokens} but lists sink_token_ids={sink_ids}: "
-            "the checkpoint's sinklm metadata is incomplete"
-        )
-    return ExportBlock(block.get("name"), block.get("attention_softmax", "softmax"), sink_tokens,
-                       sink_ids)
 
 
 def load_trained(checkpoint: dict[str, Any], path: Path) -> TrainedModel:

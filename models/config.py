@@ -11,7 +11,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sinklm.cli.main import UserError
+# This module ships inside exported folders (with attention, compat, model and convert), where
+# transformers loads it as remote code and sinklm may not be installed: it imports nothing of
+# sinklm but, where sinklm is there, the UserError that `sinklm` prints as one line.
+try:
+    from sinklm.cli.main import UserError
+except ImportError:
+
+    class UserError(Exception):  # type: ignore[no-redef]
+        """Stands in for sinklm's own where only the exported folder is there."""
 
 Softmax = Literal["softmax", "softmax1", "sink_logit", "gated"]
 Backend = Literal["eager", "sdpa", "flex", "flash"]
@@ -160,7 +168,7 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
-        if unknown:
+        if unknown:  # the data configs' check (data/keys.py) is not importable from an export
             raise ConfigError(f"unknown model config keys {unknown}; allowed {sorted(known)}")
         return cls(**data)
 

@@ -3,16 +3,19 @@
 Our modules use transformers' weight names and fused per-head QKV layout, so converting is
 mostly checking: configs map field by field, and state dicts differ only in non-parameter
 buffers (older transformers versions saved causal-mask and rotary buffers) and, for variants
-GPT-NeoX cannot express, in their extra parameters (``sink_logit``, ``gate``).
+GPT-NeoX cannot express, in their extra parameters (``sink_logit``, ``gate``). config.json's
+``sinklm`` block records what GPT-NeoX's fields cannot: the attention variant and the sink ids.
+Exported folders ship this file, so the block is written and read here (through
+``models.checkpoint``, which lists every on-disk key, for the rest of sinklm).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor
 
-from .checkpoint import read_export_block
 from .config import ConfigError, ModelConfig
 from .model import CausalLM
 
@@ -28,6 +31,51 @@ HF_BUFFER_SUFFIXES = ("attention.bias", "attention.masked_bias", "rotary_emb.inv
 HF_MODEL_TYPES = ("gpt_neox", "sinklm")
 # Parameters only our variants have: a plain GPT-NeoX has no slot for them.
 VARIANT_PARAM_SUFFIXES = ("attention.sink_logit", "attention.gate.weight", "attention.gate.bias")
+# config.json's block of an export: the attention variant and sink ids GPT-NeoX's fields lack.
+EXPORT_BLOCK_KEY = "sinklm"
+
+
+def needs_remote_code(config: ModelConfig) -> bool:
+    """Whether transformers needs sinklm's modeling code: GPT-NeoX computes plain softmax only."""
+    return config.attention.softmax != "softmax"
+
+
+def export_block(
+    name: str, config: ModelConfig, sink_ids: Sequence[int], version: str
+) -> dict[str, Any]:
+    """config.json's ``sinklm`` block of an export: the variant and sink ids GPT-NeoX lacks."""
+    return {
+        "name": name,
+        "attention_softmax": config.attention.softmax,
+        "sink_tokens": config.sink_tokens,
+        "sink_token_ids": list(sink_ids),
+        "sinklm_version": version,
+    }
+
+
+class ExportBlock(NamedTuple):
+    """What loading reads back from config.json's ``sinklm`` block; a plain GPTNeoX (no block)
+    reads as vanilla softmax without sink ids."""
+
+    name: str | None
+    softmax: str
+    sink_tokens: int
+    sink_ids: list[int]
+
+
+def read_export_block(hf_config: Any) -> ExportBlock:
+    """The ``sinklm`` block of a transformers config (an attribute of it), checked: the sink id
+    list must match the sink count."""
+    block = getattr(hf_config, EXPORT_BLOCK_KEY, None) or {}
+    sink_tokens = int(block.get("sink_tokens", 0))
+    sink_ids = [int(i) for i in block.get("sink_token_ids") or []]
+    if len(sink_ids) != sink_tokens:
+        raise ConfigError(
+            f"config.json says sink_tokens={sink_tokens} but lists sink_token_ids={sink_ids}: "
+            "the checkpoint's sinklm metadata is incomplete"
+        )
+    return ExportBlock(block.get("name"), block.get("attention_softmax", "softmax"), sink_tokens,
+                       sink_ids)
 
 
 def _rope_setting(hf_config: Any, key: str, legacy: str, default: float) -> float:
@@ -143,7 +191,7 @@ def to_hf_model(model: CausalLM) -> GPTNeoXForCausalLM:
     """A transformers GPTNeoXForCausalLM with our weights (softmax models only)."""
     from transformers import GPTNeoXForCausalLM
 
-    if model.config.attention.softmax != "softmax":
+    if needs_remote_code(model.config):
         raise ConfigError(
             f"attention.softmax={model.config.attention.softmax!r}: a plain GPTNeoXForCausalLM "
             "computes vanilla softmax only; export this variant with its modeling code"

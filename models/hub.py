@@ -2,8 +2,8 @@
 
 The folder holds safetensors weights (Pythia's names), config.json, the tokenizer
 (tokenizer.json, tokenizer_config.json, special_tokens_map.json), generation_config.json and a
-model card (README.md). config.json's ``sinklm`` dict records ``name``, ``attention_softmax``,
-``sink_tokens`` and ``sink_token_ids``.
+model card (README.md, written by ``models/card.py``). config.json's ``sinklm`` dict records
+``name``, ``attention_softmax``, ``sink_tokens`` and ``sink_token_ids``.
 
 - ``softmax`` models (vanilla, sink-token) are plain ``GPTNeoXForCausalLM`` folders: no remote
   code. For a sink-token model the tokenizer's post-processor puts the sink tokens in front of
@@ -14,7 +14,8 @@ model card (README.md). config.json's ``sinklm`` dict records ``name``, ``attent
 
 The export is built in a temporary folder beside the output and moved in at the end, so a
 failure leaves nothing half-written. Input is an in-memory :class:`Checkpoint` (model,
-tokenizer, sink ids), whatever kind of checkpoint it was loaded from.
+tokenizer, sink ids), whatever kind of checkpoint it was loaded from; the training recipe and
+results files the card shows are found beside that checkpoint.
 """
 
 from __future__ import annotations
@@ -38,15 +39,20 @@ from sinklm.cli.outputs import make_readable
 from sinklm.data.errors import DataError
 from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import PAD_TOKEN, eod_token_id, sink_token_ids
-from sinklm.eval.zeroshot_tasks import RESULTS_KIND
 from sinklm.models import ModelConfig
-from sinklm.models.checkpoint import EXPORT_BLOCK_KEY, export_block
+from sinklm.models.card import model_card
 from sinklm.models.configuration_sinklm import MODEL_TYPE
-from sinklm.models.convert import hf_config_from, to_hf_state_dict
+from sinklm.models.convert import (
+    EXPORT_BLOCK_KEY,
+    export_block,
+    hf_config_from,
+    needs_remote_code,
+    to_hf_state_dict,
+)
 from sinklm.models.load import Checkpoint
 
 # sinklm's network files that modeling_sinklm.py imports (relatively), and the wrapper itself.
-NETWORK_FILES = ("config.py", "attention.py", "model.py", "convert.py")
+NETWORK_FILES = ("config.py", "compat.py", "attention.py", "model.py", "convert.py")
 WRAPPER_FILES = ("configuration_sinklm.py", "modeling_sinklm.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_sinklm.SinkLMConfig",
@@ -56,12 +62,6 @@ RECIPE_FILE = "training_recipe.yaml"
 # Where a training recipe may sit beside a checkpoint: a previous export's, LightningCLI's.
 RECIPE_NAMES = (RECIPE_FILE, "config.yaml", "hparams.yaml")
 SINK_NAME = re.compile(r"<\|sink(_\d+)?\|>")
-ATTENTION = {
-    "softmax": "vanilla softmax",
-    "softmax1": "softmax-off-by-one (a zero sink in every head's denominator)",
-    "sink_logit": "one learned sink logit per head in the softmax denominator (as gpt-oss)",
-    "gated": "a sigmoid gate on each head's output (Gated Attention)",
-}
 
 
 class ExportError(UserError, ValueError):
@@ -72,11 +72,6 @@ class HubError(UserError, RuntimeError):
     """The Hub upload cannot happen (no token, no network); the export folder is intact."""
 
     code = 1  # a service failed, not the user's input
-
-
-def needs_remote_code(config: ModelConfig) -> bool:
-    """Whether transformers needs sinklm's modeling code: GPT-NeoX computes plain softmax only."""
-    return config.attention.softmax != "softmax"
 
 
 def export_model(
@@ -174,8 +169,9 @@ def export_tokenizer(
     current = data.get("post_processor")
     steps = current["processors"] if current and current["type"] == "Sequence" else [current]
     steps = [step for step in steps if step and not _is_sink_template(step)]
-    if ids:
-        steps.append(json.loads(SinkPrefix(ids).template(tokenizer).__getstate__()))
+    if ids:  # the template's JSON as the tokenizer writes it (processors have no public one)
+        tokenizer.post_processor = SinkPrefix(ids).template(tokenizer)
+        steps.append(json.loads(tokenizer.to_str())["post_processor"])
     if len(steps) > 1:
         data["post_processor"] = {"type": "Sequence", "processors": steps}
     else:
@@ -294,132 +290,6 @@ def find_training_recipe(source: str | Path) -> dict[str, Any] | None:
                 if isinstance(recipe, dict):
                     return recipe
     return None
-
-
-def model_card(
-    checkpoint: Checkpoint,
-    tokenizer: Tokenizer,
-    training: Mapping[str, Any] | None,
-    results: Mapping[str, Any],
-    where: str,
-) -> str:
-    """README.md: Hub metadata, how to load it, the model, its recipe and its results."""
-    config = checkpoint.model.config
-    softmax, remote = config.attention.softmax, needs_remote_code(config)
-    names = SinkPrefix(checkpoint.sink_token_ids).names(tokenizer)
-    tags = ["sinklm", "gpt_neox", "pythia", "attention-sinks", f"attention-{softmax}"]
-    if config.sink_tokens:
-        tags.append("sink-token")
-    if remote:
-        tags.append("custom_code")
-    front = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
-    trust = ", trust_remote_code=True" if remote else ""
-    pairs = zip(names, checkpoint.sink_token_ids, strict=True)
-    sinks = ", ".join(f"`{name}` (id {i})" for name, i in pairs)
-    lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip(),
-        "---",
-        "",
-        f"# {checkpoint.name}",
-        "",
-        f"A Pythia-style (GPT-NeoX) language model trained with sinklm: attention "
-        f"`{softmax}` ({ATTENTION[softmax]}), {config.sink_tokens} sink token(s).",
-        "",
-        "## Use",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{where}"{trust})',
-        f'model = AutoModelForCausalLM.from_pretrained("{where}"{trust})',
-        'inputs = tokenizer("The first token of a text", return_tensors="pt")',
-        "output = model.generate(**inputs, max_new_tokens=20)",
-        "print(tokenizer.decode(output[0], skip_special_tokens=True))",
-        "```",
-        "",
-    ]
-    if names:
-        lines += [
-            f"The model was trained with {sinks} in front of every sequence, and the tokenizer "
-            "puts them there for you: `tokenizer(text)` starts with the sink id(s), so the "
-            "model's losses are those it had in training. `add_special_tokens=False` gives the "
-            "text alone.",
-            "",
-        ]
-    if remote:
-        lines += [
-            f"`{softmax}` attention is not something `GPTNeoXForCausalLM` computes, so this "
-            "folder ships sinklm's network (`model.py`, `attention.py`, `config.py`, "
-            "`convert.py`) with a thin transformers wrapper (`modeling_sinklm.py`); loading "
-            "(model and tokenizer: transformers reads the config for both) needs "
-            "`trust_remote_code=True` and works offline. Generation recomputes the whole "
-            "sequence at each step and padded batches are refused; sinklm's own KV cache is "
-            "the fast path.",
-            "",
-        ]
-    lines += [*_model_table(checkpoint), "", "## Training recipe", ""]
-    if training:
-        lines += ["```yaml", yaml.safe_dump(dict(training), sort_keys=False).rstrip(), "```"]
-    else:
-        lines.append("No training recipe was found beside the checkpoint.")
-    lines += ["", "## Evaluation", ""]
-    if not results:
-        lines.append("No evaluation results were found beside the checkpoint.")
-    for name, data in results.items():
-        lines += [*_results_section(name, data), ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _model_table(checkpoint: Checkpoint) -> list[str]:
-    model = checkpoint.model
-    config = model.config
-    rows = {
-        "parameters": f"{model.num_params():,}",
-        "layers / d_model / heads": f"{config.n_layer} / {config.d_model} / {config.n_head}",
-        "context": f"{config.max_seq_len} tokens, sink tokens included",
-        "rotary": f"{config.rotary_pct:g} of each head's dims, base {config.rotary_base:g}",
-        "attention": f"`{config.attention.softmax}`",
-        "sink token ids": str(list(checkpoint.sink_token_ids) or "none"),
-        "vocabulary": f"{config.vocab_size} embedding rows",
-        "weights": f"{str(next(model.parameters()).dtype).removeprefix('torch.')} safetensors",
-    }
-    return ["## Model", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows.items()]
-
-
-def _results_section(name: str, data: Any) -> list[str]:
-    """A zero-shot results file as a table; any other results file as its numeric fields."""
-    if isinstance(data, dict) and data.get("kind") == RESULTS_KIND:
-        lines = [
-            f"Zero-shot, lm-eval {data.get('lm_eval_version')} (`{name}`):",
-            "",
-            "| task | metric | value | stderr | n |",
-            "|---|---|---|---|---|",
-        ]
-        for task, row in data.get("tasks", {}).items():
-            metrics = [
-                m for m, value in row.items()
-                if isinstance(value, float) and m != "version" and not m.endswith("_stderr")
-            ]
-            for metric in metrics:
-                value, stderr = row[metric], row.get(f"{metric}_stderr")
-                shown = f"{stderr:.4f}" if isinstance(stderr, float | int) else ""
-                lines.append(f"| {task} | {metric} | {value:.4f} | {shown} | {row['samples']} |")
-        return lines
-    numbers = list(_numeric_leaves(data, ""))
-    lines = [f"`{name}`:", "", "| field | value |", "|---|---|"]
-    lines += [f"| {key} | {value:g} |" for key, value in numbers[:50]]
-    if len(numbers) > 50:
-        lines.append(f"| ... | {len(numbers) - 50} more in the file |")
-    return lines
-
-
-def _numeric_leaves(data: Any, prefix: str) -> Any:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            yield from _numeric_leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(data, float | int) and not isinstance(data, bool):
-        yield prefix, data
 
 
 def check_hub_token(repo_id: str, token: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """Load a model, its tokenizer and its sink ids from whatever a user points at.
 
-One entry point, :func:`load_checkpoint`, so every evaluator accepts the same ``--checkpoint``.
+One entry point, :func:`load_checkpoint`, so every evaluator accepts the same ``--checkpoint``;
+:func:`locate` tells what such a string points at, for loading and for compare's cache.
 Supported: a Lightning checkpoint written by ``sinklm fit`` (``.ckpt``: it carries the model
 config, the tokenizer with its sink tokens and the sink ids), a folder written by
 ``sinklm export``, a transformers GPTNeoX folder (``save_pretrained`` output, e.g. a
@@ -8,6 +9,9 @@ downloaded Pythia) and a Hugging Face Hub id such as ``EleutherAI/pythia-160m``.
 folders, sink metadata comes from the ``sinklm`` dict of config.json (``attention_softmax``,
 ``sink_tokens``, ``sink_token_ids``); a plain Pythia has none, i.e. vanilla softmax and no sink
 ids.
+
+transformers is imported only to load a folder or a Hub id: it takes seconds, which a .ckpt
+evaluation, or a compare whose results are all cached, should not pay.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tokenizers import Tokenizer
@@ -29,11 +33,14 @@ from sinklm.models.checkpoint import (
     load_trained,
     probe_history,
     read_checkpoint,
-    read_export_block,
 )
 from sinklm.models.config import variant_name
-from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
-from sinklm.models.convert import config_from_hf, from_hf_model, from_hf_state_dict
+from sinklm.models.convert import (
+    config_from_hf,
+    from_hf_model,
+    from_hf_state_dict,
+    read_export_block,
+)
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # The precisions an evaluator may load weights in, by their command-line names.
@@ -71,6 +78,46 @@ class Checkpoint:
         }
 
 
+@dataclass(frozen=True)
+class Location:
+    """What a ``--checkpoint`` string points at: a `sinklm fit` .ckpt, a model folder or a Hub
+    id. Found once, so loading and compare's cache identity accept the same strings."""
+
+    kind: Literal["ckpt", "folder", "hub"]
+    name: str  # the local path with ``~`` expanded, or the Hub id as given
+
+    @property
+    def path(self) -> Path:
+        return Path(self.name)
+
+
+def locate(spec: str | Path, missing: str = "folder") -> Location:
+    """Where ``spec`` is, or a CheckpointError saying why it is no checkpoint.
+
+    ``missing`` names what a path that is not there should have been in that error: each
+    command keeps the message its users know.
+    """
+    text = str(spec)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise CheckpointError(
+                f"{local} has no config.json: expected a transformers GPTNeoX folder "
+                "(save_pretrained output)"
+            )
+        return Location("folder", str(local))
+    if local.is_file() and local.suffix == ".ckpt":
+        return Location("ckpt", str(local))
+    if local.exists():
+        raise CheckpointError(
+            f"{local} is a file but not a `sinklm fit` checkpoint (.ckpt): --checkpoint takes "
+            "a .ckpt, an exported or transformers GPTNeoX folder, or a Hub id"
+        )
+    if HUB_ID.fullmatch(text):
+        return Location("hub", text)
+    raise CheckpointError(f"{text}: no such {missing}, and not a Hub id like org/name")
+
+
 def load_checkpoint(
     path: str | Path,
     tokenizer: str | Path | None = None,
@@ -81,38 +128,22 @@ def load_checkpoint(
 
     ``tokenizer`` (a tokenizer.json) overrides the one stored with the checkpoint.
     """
-    text = str(path)
-    local = Path(text).expanduser()
+    where = locate(path)
     training_sinks: list[dict[str, Any]] = []
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise CheckpointError(
-                f"{local} has no config.json: expected a transformers GPTNeoX folder "
-                "(save_pretrained output)"
-            )
-        model, sink_ids, name = _load_transformers(str(local))
-        source = str(local.resolve())
-    elif local.is_file() and local.suffix == ".ckpt":
-        model, sink_ids, name, stored_tokenizer, training_sinks = _load_lightning(local)
-        source = str(local.resolve())
-    elif local.exists():
-        raise CheckpointError(
-            f"{local} is a file but not a `sinklm fit` checkpoint (.ckpt): --checkpoint takes "
-            "a .ckpt, an exported or transformers GPTNeoX folder, or a Hub id"
-        )
-    elif HUB_ID.fullmatch(text):
-        model, sink_ids, name = _load_transformers(text)
-        source = text
+    stored_tokenizer: Tokenizer | None = None
+    if where.kind == "ckpt":
+        model, sink_ids, name, stored_tokenizer, training_sinks = _load_lightning(where.path)
     else:
-        raise CheckpointError(f"{text}: no such folder, and not a Hub id like org/name")
+        model, sink_ids, name = _load_transformers(where)
+    source = where.name if where.kind == "hub" else str(where.path.resolve())
     if tokenizer is not None:
         tok = _tokenizer_file(Path(tokenizer).expanduser())
-    elif local.is_file():
+    elif stored_tokenizer is not None:
         tok = stored_tokenizer
-    elif local.is_dir():
-        tok = _tokenizer_file(local / "tokenizer.json")
+    elif where.kind == "folder":
+        tok = _tokenizer_file(where.path / "tokenizer.json")
     else:
-        tok = _hub_tokenizer(text)
+        tok = _hub_tokenizer(where.name)
     check_tokenizer(model, tok, sink_ids)
     model = model.to(device=device, dtype=dtype).eval()
     return Checkpoint(model, tok, sink_ids, name, source, training_sinks)
@@ -132,7 +163,7 @@ def _load_lightning(
     return model, sink_ids, name, tokenizer, probe_history(checkpoint)
 
 
-def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:
+def _load_transformers(where: Location) -> tuple[CausalLM, list[int], str]:
     """A GPTNeoX model by transformers' own loading (local folder or Hub), sink metadata kept.
 
     Exported variants GPT-NeoX cannot express have model_type ``sinklm``; their config is read
@@ -141,7 +172,10 @@ def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:
     from transformers import AutoConfig, GPTNeoXForCausalLM, PretrainedConfig
     from transformers.utils import logging as hf_logging
 
+    from sinklm.models.configuration_sinklm import MODEL_TYPE, SinkLMConfig
+
     hf_logging.disable_progress_bar()
+    path = where.name
     try:
         data, _ = PretrainedConfig.get_config_dict(path)
         hf_config = (
@@ -161,25 +195,27 @@ def _load_transformers(path: str) -> tuple[CausalLM, list[int], str]:
         return from_hf_model(hf_model), sink_ids, name
     # Variants a plain GPTNeoX cannot hold (sink_logit, gate) are read as our own state dict.
     model = CausalLM(config)
-    model.load_state_dict(from_hf_state_dict(_read_safetensors(path)), strict=True)
+    model.load_state_dict(from_hf_state_dict(_read_safetensors(where)), strict=True)
     return model, sink_ids, name
 
 
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+def _read_safetensors(where: Location) -> dict[str, torch.Tensor]:
     """Every tensor of a folder's model.safetensors (single file or an indexed set of shards)."""
     from huggingface_hub import snapshot_download
     from safetensors.torch import load_file
 
-    folder = Path(path)
-    if not folder.is_dir():
-        folder = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+    folder = where.path
+    if where.kind == "hub":
+        folder = Path(snapshot_download(where.name, allow_patterns=["*.json", "*.safetensors"]))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise CheckpointError(f"{path}: no model.safetensors for its sinklm attention variant")
+        raise CheckpointError(
+            f"{where.name}: no model.safetensors for its sinklm attention variant"
+        )
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state |= {k: v.float() for k, v in load_file(str(folder / file)).items()}

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from sinklm.cli.main import build_parser, main
+from sinklm.cli.main import COMMANDS, build_parser, main
 
 HEAVY = ("torch", "lightning", "transformers", "datasets", "lm_eval", "matplotlib")
 
@@ -32,7 +32,19 @@ def heavy_modules_after(code: str) -> list[str]:
 def commands() -> list[str]:
     subparsers = next(action for action in build_parser()._actions
                       if isinstance(action, argparse._SubParsersAction))
-    return sorted(subparsers.choices)
+    return list(subparsers.choices)
+
+
+def test_help_lists_the_table_in_its_order(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMMANDS is the one list: every command, its order in --help and its one-line help."""
+    assert commands() == [command.name for command in COMMANDS]
+    monkeypatch.setenv("COLUMNS", "200")  # one line per command
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for command in COMMANDS:
+        assert f"{command.name} {command.help}" in listed
 
 
 def test_building_the_parser_imports_no_heavy_module() -> None:

@@ -21,7 +21,9 @@ from tokenizers import Tokenizer
 from sinklm.cli.main import main as sinklm_main
 from sinklm.data.tokenizer import sink_token_ids
 from sinklm.eval import compare as compare_module
-from sinklm.eval.compare import training_sinks_markdown, unique_labels
+from sinklm.eval.compare import unique_labels
+from sinklm.eval.compare_cache import checkpoint_identity
+from sinklm.eval.compare_tables import training_sinks_markdown
 from sinklm.eval.report import markdown_table
 from sinklm.models import CausalLM, ModelConfig
 from sinklm.models.hub import export_model
@@ -202,6 +204,27 @@ def test_bad_input_is_refused_before_any_work(
     assert not fresh.exists()
 
 
+def test_cache_identity_is_the_path_and_the_model_files_stats(tmp_path: Path) -> None:
+    """These values name the cache's files: a change would make every earlier report's cache
+    unusable."""
+    folder = tmp_path / "export"
+    (folder / "code").mkdir(parents=True)
+    names = ["code/modeling.py", "config.json", "model.safetensors", "tokenizer.json"]
+    for name in [*names, "results.json"]:
+        (folder / name).write_text(name)
+
+    def stat(path: Path, root: Path) -> list[object]:
+        return [path.relative_to(root).as_posix(), path.stat().st_size, path.stat().st_mtime_ns]
+
+    assert checkpoint_identity(str(folder)) == {
+        "path": str(folder.resolve()), "files": [stat(folder / n, folder) for n in names]}
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_text("x")
+    assert checkpoint_identity(str(ckpt)) == {"path": str(ckpt.resolve()),
+                                              "files": [stat(ckpt, tmp_path)]}
+    assert checkpoint_identity("EleutherAI/pythia-70m") == {"hub": "EleutherAI/pythia-70m"}
+
+
 def test_duplicate_names_get_the_distinguishing_end_of_their_path() -> None:
     names = ["tiny-5m-vanilla", "tiny-5m-vanilla", "pythia-70m"]
     sources = ["runs/a/checkpoints/last.ckpt", "runs/b/checkpoints/last.ckpt",
@@ -224,7 +247,7 @@ def test_training_sinks_table_by_hand() -> None:
 
 def test_findings_say_in_words_what_the_caches_measured() -> None:
     from sinklm.eval.cache import Dense, StartRecent
-    from sinklm.eval.compare import first_token_findings
+    from sinklm.eval.compare_tables import first_token_findings
     from sinklm.eval.streaming import CacheResult
 
     def result(policy: object, ppl: float, max_position: int = 63) -> CacheResult:
@@ -246,7 +269,7 @@ def test_findings_say_in_words_what_the_caches_measured() -> None:
 
 
 def test_findings_say_whether_a_first_token_sink_formed() -> None:
-    from sinklm.eval.compare import sink_findings
+    from sinklm.eval.compare_tables import sink_findings
 
     formed, none = sink_findings({
         "a": {"eps": 0.3, "attention_to_position": [[[0.9], [0.1]], [[0.31], [0.2]]]},

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinklm.cli import demo
+from sinklm.cli import demo_lab, demo_runs, demo_text
 from sinklm.cli.main import main as sinklm_main
+from sinklm.data.sinks import SinkPrefix
 from sinklm.eval import compare as compare_module
 from sinklm.eval.cache import parse_caches
 from sinklm.eval.report import markdown_table
@@ -52,7 +53,7 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)  # tokenizers/, packed/ and runs/ land here
-    monkeypatch.setattr(demo, "hub_unreachable", lambda: "offline in this test")
+    monkeypatch.setattr(demo_text, "hub_unreachable", lambda: "offline in this test")
     threads = torch.get_num_threads()
     try:
         assert sinklm_main(demo_args(demo_data)) == 0
@@ -65,7 +66,7 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     assert [m["label"] for m in lab["models"]] == [
         "lab-1l-vanilla", "lab-1l-zero_sink", "lab-1l-sink_token"]
     assert lab["streaming"]["caches"] == ["0+64", "1+63", "2+62", "4+60", "dense"]
-    assert demo.lab_table(argparse.Namespace(files={"json": "runs/demo/lab/report/report.json"})
+    assert demo_lab.lab_table(argparse.Namespace(files={"json": "runs/demo/lab/report/report.json"})
                           ) in out
     assert all(sentence in out for sentence in lab["streaming"]["findings"])
     assert json.loads(Path("packed/bigram_backcopy/meta.json").read_text())["source"][
@@ -83,16 +84,14 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     assert json.loads(Path("packed/english_pd_mix-bpe4k/meta.json").read_text())["source"][
         "path"] == str(demo_data / "corpus")
 
-    for variant, label in zip(demo.VARIANTS, labels, strict=True):
+    for variant, label in zip(demo_runs.VARIANTS, labels, strict=True):
         path = Path(f"runs/demo/{variant}/checkpoints/last.ckpt")
         assert torch.load(path, map_location="cpu", weights_only=False)["global_step"] == 2
         checkpoint = load_checkpoint(path)
         assert len(checkpoint.sink_token_ids) == (variant == "sink_token")
         streams = encode_streams(read_files([demo_data / "books" / "book.txt"]),
-                                 checkpoint.tokenizer, checkpoint.sink_token_ids, 2000)
-        direct = evaluate(checkpoint.model, [s.ids for s in streams],
-                          parse_caches("0+32,1+31,2+30,4+28,dense"),
-                          n_sink_ids=len(checkpoint.sink_token_ids))
+                                 checkpoint.tokenizer, SinkPrefix(checkpoint.sink_token_ids), 2000)
+        direct = evaluate(checkpoint.model, streams, parse_caches("0+32,1+31,2+30,4+28,dense"))
         printed = [r["ppl"] for r in report["streaming"]["results"][label]]
         assert printed == pytest.approx([r.ppl for r in direct], rel=1e-5)
 
@@ -117,7 +116,7 @@ def test_demo_says_what_is_missing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)  # no ../shared/data from here
-    monkeypatch.setattr(demo, "hub_unreachable", lambda: "offline in this test")
+    monkeypatch.setattr(demo_text, "hub_unreachable", lambda: "offline in this test")
 
     def refused(args: list[str]) -> str:
         assert sinklm_main(args) == 2

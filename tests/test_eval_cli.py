@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from sinklm.cli.main import main  # noqa: E402
+from sinklm.data.sinks import SinkPrefix  # noqa: E402
 from sinklm.eval.texts import encode_streams, split_dataset_spec  # noqa: E402
 from sinklm.models import CausalLM, ModelConfig  # noqa: E402
 from sinklm.models.convert import hf_config_from  # noqa: E402
@@ -154,12 +155,12 @@ def test_streams_take_the_first_tokens_with_sink_ids_in_front() -> None:
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
     text = "It was a dark and stormy night; the rain fell in torrents."
     documents = iter([("a", text), ("b", "x"), ("c", text), ("d", text)])
-    streams = encode_streams(documents, tokenizer, [50277], max_tokens=20)
+    streams = encode_streams(documents, tokenizer, SinkPrefix([50277]), max_tokens=20)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     assert [s.name for s in streams] == ["a", "c"]  # "b" has a single token: nothing to score
-    assert streams[0].ids.tolist() == [50277, *ids]
+    assert streams[0].sinks.prepend(streams[0].text).tolist() == [50277, *ids]
     assert sum(s.text_tokens for s in streams) == 20 - 1  # "b" counted in the budget
-    assert streams[1].ids[1:].tolist() == ids[: 20 - 1 - len(ids)]
+    assert streams[1].text.tolist() == ids[: 20 - 1 - len(ids)]
 
 
 # --- sinklm stream-eval ------------------------------------------------------------------------

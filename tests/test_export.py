@@ -126,13 +126,22 @@ def test_remote_code_generates_like_our_greedy_decoding(
 def test_remote_code_loads_offline_in_a_fresh_process(
     tmp_path: Path, base_tokenizer: Tokenizer
 ) -> None:
-    """HF_HUB_OFFLINE=1 and an empty module cache: the folder alone is enough."""
+    """HF_HUB_OFFLINE=1, an empty module cache and sinklm not importable (a transformers user
+    has only the folder): the folder alone is enough."""
     checkpoint = make_checkpoint(base_tokenizer, "gated", 1)
     folder = export_model(checkpoint, tmp_path / "offline")
     ids = torch.tensor([[*checkpoint.sink_token_ids, 5, 17, 42, 99]])
     with torch.no_grad():
         torch.save({"ids": ids, "logits": checkpoint.model(ids)}, tmp_path / "expected.pt")
     script = textwrap.dedent(f"""
+        import importlib.abc, sys
+
+        class NoSinkLM(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] == "sinklm":
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+        sys.meta_path.insert(0, NoSinkLM())
         import torch, transformers
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         model = transformers.AutoModelForCausalLM.from_pretrained(

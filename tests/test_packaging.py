@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 # What the wheel is built from: pyproject, its readme, and the folders its package-dir maps.
-SOURCES = ("pyproject.toml", "README.md", "models", "data", "train", "eval", "configs", "slurm")
+SOURCES = ("pyproject.toml", "README.md", "cli", "models", "data", "train", "eval", "configs",
+           "slurm")
 PIP = (sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input")
 CONFIG = "configs/experiments/pythia-160m-sink_token.yaml"
 
@@ -63,8 +64,9 @@ def python(site: Path, code: str) -> str:
 
 def test_the_installed_copy_is_imported_not_the_checkout(site: Path) -> None:
     """The venv's editable finder must not win over the wheel, or nothing below is tested."""
-    code = ("import json, sinklm.train, sinklm.configs, sinklm.slurm\n"
-            "print(json.dumps([m.__file__ for m in (sinklm.train, sinklm.configs, sinklm.slurm)]))")
+    code = ("import json, sinklm.cli, sinklm.train, sinklm.configs, sinklm.slurm\n"
+            "print(json.dumps([m.__file__ for m in "
+            "(sinklm.cli, sinklm.train, sinklm.configs, sinklm.slurm)]))")
     for file in json.loads(python(site, code)):
         assert Path(file).is_relative_to(site), file
 
@@ -80,9 +82,9 @@ def test_every_config_and_the_template_ship_and_are_found(site: Path) -> None:
 
 
 def test_the_demo_reads_its_configs(site: Path) -> None:
-    code = ("from sinklm.cli import demo\n"
-            "print(demo._config(demo.LAB_DATA)['output'])\n"
-            "print(demo._config_file('experiments/tiny-vanilla.yaml'))")
+    code = ("from sinklm.cli import demo_lab, demo_runs\n"
+            "print(demo_runs.read_config(demo_lab.LAB_DATA)['output'])\n"
+            "print(demo_runs.config_file('experiments/tiny-vanilla.yaml'))")
     output, path = python(site, code).splitlines()
     assert output == "packed/bigram_backcopy"
     assert Path(path).is_relative_to(site)

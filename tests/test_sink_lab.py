@@ -19,6 +19,7 @@ import yaml
 
 from sinklm.cli.main import main as sinklm_main
 from sinklm.data.packing import validation_documents
+from sinklm.data.sinks import SinkPrefix
 from sinklm.data.synthetic import BigramBackcopySpec, SyntheticSource
 from sinklm.eval.texts import TextSourceError, packed_streams
 from sinklm.models.load import load_checkpoint
@@ -89,16 +90,17 @@ def test_packed_streams_are_the_held_out_documents(lab: dict[str, Path]) -> None
         (document,) = (d for d in _generate(source, int(index), lengths[index]))
         expected.append(document + 2)
     checkpoint = load_checkpoint(lab["checkpoint"])
-    streams = packed_streams(f"{lab['packed']}:validation", checkpoint.tokenizer,
-                             checkpoint.sink_token_ids, max_tokens=sum(map(len, expected)))
+    sinks = SinkPrefix(checkpoint.sink_token_ids)
+    streams = packed_streams(f"{lab['packed']}:validation", checkpoint.tokenizer, sinks,
+                             max_tokens=sum(map(len, expected)))
     assert len(streams) == 2
     for stream, document in zip(streams, expected, strict=True):
-        assert stream.ids[0].item() == checkpoint.sink_token_ids[0]
-        assert np.array_equal(stream.ids[1:].numpy(), document)
+        assert stream.sinks == sinks
+        assert np.array_equal(stream.text.numpy(), document)
     other = load_checkpoint(lab["checkpoint"]).tokenizer
     other.add_tokens(["extra"])  # another vocabulary: another tokenizer hash
     with pytest.raises(TextSourceError, match="packed with another tokenizer"):
-        packed_streams(str(lab["packed"]), other, [])
+        packed_streams(str(lab["packed"]), other, sinks)
 
 
 def _generate(source: SyntheticSource, index: int, length: int) -> list[np.ndarray]:

@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
 from sinklm.data.synthetic import trigger_token_ids
 from sinklm.eval.sinks import classify_positions, measure_sinks
+from sinklm.models.checkpoint import PROBE_STATE_KEY
+from sinklm.models.compat import last_saved_step, save_last
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -22,8 +24,8 @@ class StepCheckpoint(ModelCheckpoint):
     """
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if self.save_last and self._last_global_step_saved != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and last_saved_step(self) != trainer.global_step:
+            save_last(self, trainer)
         super().on_train_end(trainer, module)
 
 
@@ -98,6 +100,7 @@ class StepProgressBar(RichProgressBar):
         return {PROGRESS_LABELS.get(name, name): value for name, value in metrics.items()}
 
     def _get_train_description(self, current_epoch: int) -> str:
+        """The bar's label (a private hook: ``models.compat.OVERRIDDEN_HOOKS`` lists it)."""
         max_epochs = self.trainer.max_epochs
         if max_epochs is not None and max_epochs < 0:  # bounded by max_steps: no epoch total
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
@@ -168,6 +171,11 @@ class SinkProbe(L.Callback):
         metrics[f"sinks/sink_rate_eps{self.eps}"] = row["sink_rate"]
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+    @property
+    def state_key(self) -> str:
+        """Where checkpoints keep the history: the key ``probe_history`` reads, fixed."""
+        return PROBE_STATE_KEY
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -24,6 +25,7 @@ from sinklm.data import (
 )
 from sinklm.data.errors import DataError
 from sinklm.data.tokenizer import DEFAULT_TOKENIZER
+from sinklm.models.checkpoint import write_data_entries
 
 
 class SinkLMDataModule(L.LightningDataModule):
@@ -112,6 +114,13 @@ class SinkLMDataModule(L.LightningDataModule):
                     "source_fingerprint": self.meta["source_fingerprint"]}
         return {"tokenizer_hash": tokenizer_hash(self.tokenizer or self.load_tokenizer()),
                 "source_fingerprint": None}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the tokenizer (with its sink tokens) and the sink ids, which evaluation loads,
+        and the data's identity, which a resume checks. Lightning calls this hook of the
+        training module only, which passes the checkpoint on to this one."""
+        if self.tokenizer is not None:
+            write_data_entries(checkpoint, self.tokenizer, self.sink_ids or [], self.identity())
 
     def _dataset(self, split: str) -> PackedDataset | MegatronRows:
         if self.megatron_path is not None:

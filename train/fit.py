@@ -37,27 +37,15 @@ from sinklm.models.checkpoint import (
     CheckpointFormatError,
     read_checkpoint,
 )
-from sinklm.models.config import VARIANTS, ConfigError, ModelConfig, variant_name
+from sinklm.models.config import ConfigError, ModelConfig, variant_name
 
 from .batching import check_global_batch
 from .callbacks import SinkProbe, StepCheckpoint, StepProgressBar, Throughput
 from .data_module import SinkLMDataModule
-from .module import OptimizerConfig, SinkLMModule
+from .module import OptimizerConfig, SinkLMModule, model_config, resolve_sink_tokens
 
 # LightningCLI options (removed here) that would replace the recipe's optimizer and schedule.
 LIGHTNING_OPTIMIZER_OPTIONS = ("optimizer", "lr_scheduler")
-
-
-def resolve_sink_tokens(variant: str | None, sink_tokens: int | None,
-                        overrides: dict[str, Any] | None) -> int:
-    """The sink count the model will have, resolved as SinkLMModule resolves its config:
-    explicit, else ``model_overrides.sink_tokens``, else the variant's, else 0. The data's
-    collator prepends exactly this many, so model and data cannot disagree."""
-    if sink_tokens is not None:
-        return sink_tokens
-    if overrides and "sink_tokens" in overrides:
-        return int(overrides["sink_tokens"])
-    return VARIANTS[variant][1] if variant in VARIANTS else 0
 
 
 def newest_checkpoint(checkpoint_dir: Path, root_dir: Path) -> Path | None:
@@ -230,8 +218,8 @@ class SinkLMCLI(LightningCLI):
         )
         parser.link_arguments(
             ("model.preset", "model.model_overrides"), "data.vocab_size",
-            compute_fn=lambda preset, overrides: ModelConfig.from_preset(
-                preset, **(overrides or {})
+            compute_fn=lambda preset, overrides: model_config(
+                preset, model_overrides=overrides
             ).vocab_size,
         )
 
@@ -247,7 +235,8 @@ class SinkLMCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """Keep the config as given. LightningCLI would replace the model section with the
         checkpoint's hyperparameters, so a zero_sink config resumed from a sink_token checkpoint
-        silently trained sink_token; ``before_fit`` checks the checkpoint against the config."""
+        silently trained sink_token; ``before_fit`` checks the checkpoint against the config.
+        (A private hook: ``models.compat.OVERRIDDEN_HOOKS`` lists it for the upstream check.)"""
 
     def before_instantiate_classes(self) -> None:
         """Refuse a max_steps the schedule cannot use before the Trainer, which would end a

@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sinklm.models import CausalLM, ModelConfig
-from sinklm.models.checkpoint import SCHEDULE_KEY, write_entries
+from sinklm.models.checkpoint import schedule_steps, write_entries, write_schedule
+from sinklm.models.compat import set_last_lr
 from sinklm.models.config import VARIANTS, ConfigError
 
+from .data_module import SinkLMDataModule
 from .parallel import shard_model, total_norm
 
 
@@ -58,6 +60,38 @@ def optimizer_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[st
     """Each setting that differs, as ``name old -> new``."""
     return [f"{name} {saved[name]} -> {value}" for name, value in current.items()
             if saved.get(name) != value]
+
+
+def resolve_sink_tokens(variant: str | None, sink_tokens: int | None,
+                        overrides: dict[str, Any] | None) -> int:
+    """The model's sink count: explicit, else ``model_overrides.sink_tokens``, else the
+    variant's, else 0. The one rule: the module's config takes it, and `sinklm fit` links it to
+    ``data.sink_tokens``, so the collator prepends exactly that many sink ids."""
+    if sink_tokens is not None:
+        return sink_tokens
+    if overrides and "sink_tokens" in overrides:
+        return int(overrides["sink_tokens"])
+    return VARIANTS[variant][1] if variant in VARIANTS else 0
+
+
+def model_config(
+    preset: str,
+    variant: str | None = None,
+    softmax: str | None = None,
+    sink_tokens: int | None = None,
+    backend: str = "sdpa",
+    model_overrides: dict[str, Any] | None = None,
+) -> ModelConfig:
+    """The network :class:`SinkLMModule` trains, from its arguments of the same names (the
+    fit command's links read the data's vocabulary size from it too)."""
+    if variant is not None and variant not in VARIANTS:
+        raise ConfigError(f"model.variant={variant!r}: allowed {sorted(VARIANTS)}")
+    config = ModelConfig.from_preset(preset, variant=variant, **(model_overrides or {}))
+    sinks = resolve_sink_tokens(variant, sink_tokens, model_overrides)
+    changes: dict[str, Any] = {"attention": {"backend": backend}, "sink_tokens": sinks}
+    if softmax is not None:
+        changes["attention"]["softmax"] = softmax
+    return config.replace(**changes)
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_fraction: float, min_ratio: float) -> float:
@@ -114,15 +148,8 @@ class SinkLMModule(L.LightningModule):
         # Plain values, not the dataclass: unpickling a checkpoint then needs no sinklm.train
         # class, so evaluation reads it without importing Lightning.
         self.hparams["optimizer"] = optimizer_settings(optimizer)
-        if variant is not None and variant not in VARIANTS:
-            raise ConfigError(f"model.variant={variant!r}: allowed {sorted(VARIANTS)}")
-        config = ModelConfig.from_preset(preset, variant=variant, **(model_overrides or {}))
-        changes: dict[str, Any] = {"attention": {"backend": backend}}
-        if softmax is not None:
-            changes["attention"]["softmax"] = softmax
-        if sink_tokens is not None:
-            changes["sink_tokens"] = sink_tokens
-        self.config = config.replace(**changes)
+        self.config = model_config(preset, variant, softmax, sink_tokens, backend,
+                                   model_overrides)
         self.optim = optimizer or OptimizerConfig()
         self.on_nonfinite = on_nonfinite
         self.model = CausalLM(self.config)
@@ -212,14 +239,14 @@ class SinkLMModule(L.LightningModule):
         return f"{what} at step {self.global_step}"
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the model, and the data's tokenizer, sink ids and identity (the format is
-        ``sinklm.models.checkpoint``'s, shared with the resume check and evaluation)."""
-        data = getattr(self.trainer, "datamodule", None)
-        if getattr(data, "tokenizer", None) is None:
-            write_entries(checkpoint, self.config)
-        else:
-            write_entries(checkpoint, self.config, data.tokenizer, data.sink_ids, data.identity())
-        checkpoint[SCHEDULE_KEY] = {"max_steps": self.trainer.max_steps}
+        """Record the model and the length of its schedule, and let the data module record its
+        own entries: Lightning hands a data module no checkpoint to write into (its
+        ``state_dict`` is kept apart, under its class name)."""
+        write_entries(checkpoint, self.config)
+        data = self.trainer.datamodule
+        if isinstance(data, SinkLMDataModule):
+            data.on_save_checkpoint(checkpoint)
+        write_schedule(checkpoint, self.trainer.max_steps)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Note what the checkpoint was trained with; ``on_train_start`` applies this run's."""
@@ -227,7 +254,7 @@ class SinkLMModule(L.LightningModule):
         saved = checkpoint.get("hyper_parameters")
         self._saved_optimizer = (optimizer_settings(saved.get("optimizer"))
                                  if isinstance(saved, dict) else None)
-        self._saved_max_steps = (checkpoint.get(SCHEDULE_KEY) or {}).get("max_steps")
+        self._saved_max_steps = schedule_steps(checkpoint)
 
     def on_train_start(self) -> None:
         """On a resume, the configured ``model.optimizer`` wins over the checkpoint's.
@@ -255,7 +282,7 @@ class SinkLMModule(L.LightningModule):
         for group, lmbda, base_lr in zip(optimizer.param_groups, scheduler.lr_lambdas,
                                          scheduler.base_lrs, strict=True):
             group["lr"] = base_lr * lmbda(scheduler.last_epoch)  # as LambdaLR.get_lr
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
         changes = (optimizer_changes(self._saved_optimizer, optimizer_settings(self.optim))
                    if self._saved_optimizer is not None else [])
         if changes and self.trainer.is_global_zero:

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from sinklm.models import CausalLM
+from sinklm.models.compat import set_data_parallel_size
 
 
 class FullyShardedStrategy(ModelParallelStrategy):
@@ -41,7 +42,8 @@ class FullyShardedStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, **kwargs)
 
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        """Every device of every node in one sharding dimension (known only by now)."""
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
 

@@ -1,4 +1,4 @@
-"""``sinklm slurm-submit``: render slurm/job.sbatch from a training config and submit it.
+"""A training config as a SLURM job: slurm/job.sbatch rendered for a cluster shape, submitted.
 
 The job runs the same ``sinklm fit --config FILE`` a laptop runs, one task per GPU, with
 SIGUSR1 90 s before the time limit so Lightning saves an hpc checkpoint and requeues. The
@@ -9,7 +9,6 @@ passed to ``sinklm fit`` explicitly, so one config submits unchanged on any clus
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from sinklm.cli.main import UserError, bundled_file
+from sinklm.cli.main import bundled_file
 from sinklm.models.config import ConfigError
 
 from .batching import check_global_batch, plan_batch
@@ -149,57 +148,9 @@ def render(
     return Job(script, log_dir, batch)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "slurm-submit",
-        help="render an sbatch script for a training config and submit it",
-        description="Render slurm/job.sbatch for CONFIG on N nodes x G GPUs (one task per GPU, "
-        "SIGUSR1 requeue) and submit it with sbatch, or print it with --dry-run.",
-        epilog="example: sinklm slurm-submit --config configs/experiments/pythia-160m-sink_token"
-        ".yaml --nodes 1 --gpus-per-node 8 --partition gpu --dry-run",
-    )
-    parser.add_argument("--config", type=Path, required=True, help="a `sinklm fit` YAML config")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--partition")
-    parser.add_argument("--account")
-    parser.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
-    parser.add_argument("--cpus-per-task", type=int, default=8)
-    parser.add_argument("--job-name")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the script; submit and write nothing (not even the log "
-                        "folder that a submission creates)")
-    parser.add_argument(
-        "fit_args", nargs=argparse.REMAINDER,
-        help="after --: extra `sinklm fit` arguments, e.g. -- --trainer.max_steps=10",
-    )
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.config.is_file():
-        raise UserError(f"config {args.config} does not exist")
-    fit_args = [a for a in args.fit_args if a != "--"]
-    try:
-        job = render(
-            args.config, args.nodes, args.gpus_per_node, partition=args.partition,
-            account=args.account, time=args.time, cpus_per_task=args.cpus_per_task,
-            job_name=args.job_name, fit_args=fit_args,
-        )
-    except (ConfigError, yaml.YAMLError, KeyError, ValueError) as error:
-        raise UserError(error) from None
-    if job.batch:
-        print(f"sinklm slurm-submit: {job.batch}", file=sys.stderr)
-    if args.dry_run:
-        print(job.script)
-        return 0
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch is not on PATH (not a SLURM login node?); use --dry-run to "
-                           "see the script")
+def submit(job: Job) -> subprocess.CompletedProcess[str]:
+    """Hand ``job`` to ``sbatch``, its answer captured for the caller to show."""
     # SLURM opens --output before the job starts and does not create its folder: without it
     # the job fails with no log at all.
     job.log_dir.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["sbatch"], input=job.script, text=True, capture_output=True)
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
-    return result.returncode
+    return subprocess.run(["sbatch"], input=job.script, text=True, capture_output=True)
