@@ -104,11 +104,13 @@ def define_sinks(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run_sinks)
 
 
-def _warn(command: str, message: str) -> None:
+def warn(command: str, message: str) -> None:
+    """One warning line on stderr: the run goes on."""
     print(f"sinklm {command}: warning: {message}", file=sys.stderr)
 
 
-def _load(args: argparse.Namespace) -> Checkpoint:
+def load_model(args: argparse.Namespace) -> Checkpoint:
+    """The checkpoint of ``--checkpoint`` (with ``--tokenizer``, ``--device``, ``--dtype``)."""
     from sinklm.models.load import DTYPES, load_checkpoint
 
     check_device(args.device)
@@ -154,7 +156,7 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     check_at_least(("--max-tokens", args.max_tokens, 2), ("--chunk-size", chunk_size, 1))
     policies = parse_caches(args.cache) if args.cache is not None else None
     _check_source(args)
-    checkpoint = _load(args)
+    checkpoint = load_model(args)
     config = checkpoint.model.config
     if policies is None:
         policies = paper_caches(config.max_seq_len // 2)
@@ -162,14 +164,14 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     streams = _streams(args, checkpoint, sinks, args.max_tokens)
     longest = max(s.tokens for s in streams)
     for warning in check_policies(policies, longest, config.max_seq_len, len(sinks)):
-        _warn(command, warning)
+        warn(command, warning)
 
     def report(result: CacheResult) -> None:
         print(f"cache {result.policy.label}: ppl {format_ppl(result.ppl)} over "
               f"{result.tokens} tokens, {result.tokens_per_second:,.0f} tokens/s",
               file=sys.stderr)
         for note in result.notes:
-            _warn(command, f"cache {result.policy.label}: {note}")
+            warn(command, f"cache {result.policy.label}: {note}")
 
     results = evaluate(checkpoint.model, streams, policies, reference=args.reference,
                        chunk_size=chunk_size, on_result=report, progress=True)
@@ -213,7 +215,7 @@ def run_sinks(args: argparse.Namespace) -> int:
     if not 0.0 <= args.eps < 1.0:
         raise UserError(f"--eps {args.eps}: must lie in [0, 1)")
     _check_source(args)
-    checkpoint = _load(args)
+    checkpoint = load_model(args)
     config = checkpoint.model.config
     window = args.window if args.window is not None else min(512, config.max_seq_len)
     sink_ids = checkpoint.sink_token_ids
@@ -221,7 +223,7 @@ def run_sinks(args: argparse.Namespace) -> int:
         raise UserError(f"--window {window}: must hold the {len(sink_ids)} sink ids "
                         "and at least two text tokens")
     if window > config.max_seq_len:
-        _warn(command, f"--window {window} is longer than the {config.max_seq_len} "
+        warn(command, f"--window {window} is longer than the {config.max_seq_len} "
               "positions the model was trained on")
     budget = args.windows * (window - len(sink_ids))
     streams = _streams(args, checkpoint, SinkPrefix(()), budget)

@@ -73,6 +73,8 @@ COMMANDS = (
             "train a model from a YAML config (LightningCLI)", passthrough=True),
     Command("stream-eval", "sinklm.cli.evaluate:define_stream_eval",
             "streaming perplexity with StreamingLLM KV caches (x initial + y recent tokens)"),
+    Command("generate", "sinklm.cli.generate:define_generate",
+            "generate text past the trained context through a start+recent KV cache"),
     Command("sinks", "sinklm.cli.evaluate:define_sinks",
             "attention-sink diagnostics: attention on the first positions per layer and head"),
     Command("export", "sinklm.cli.hub:define_export",

@@ -6,13 +6,15 @@ Both evaluators run under ``torch.inference_mode``: it dispatches each op more c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
 from sinklm.data.sinks import SinkPrefix
 from sinklm.models import CausalLM, KVCache
 
-from .cache import CachePolicy, Recompute, StartRecent
+from .cache import CachePolicy, Dense, Recompute, StartRecent
 from .scoring import (
     NO_SINKS,
     Progress,
@@ -31,20 +33,36 @@ from .scoring import (
 def reference_losses(model: CausalLM, text: Tensor, policy: CachePolicy,
                      sinks: SinkPrefix = NO_SINKS, progress: Progress | None = None) -> Tensor:
     """Per-token losses [len(text) - 1] of ``text`` read after ``sinks``, one model call per
-    token.
-
-    ``x+y`` and ``dense`` decode with the model's ``KVCache``: before each token the policy's
-    evictions, then cached positions re-assigned to 0..len-1 (dense keeps true positions, which
-    are the same numbers) and the token at the next position. ``recompute`` re-encodes each
-    token's window from position 0. ``progress`` is told of each scored token.
+    token (see :func:`reference_logits`; ``recompute`` re-encodes each token's window from
+    position 0). ``progress`` is told of each scored token.
     """
     ids = stream_ids(model, text, sinks)
     n_sink_ids = len(sinks)
     progress = progress or no_progress
     if isinstance(policy, Recompute):
         return _recompute_reference(model, ids, policy, sinks, progress)
-    cache = KVCache(model.config.n_layer)
     losses = loss_buffer(ids, n_sink_ids)
+    for t, logits in enumerate(_decode(model, ids, policy)):
+        if t >= n_sink_ids:
+            losses[t - n_sink_ids] = token_losses(logits[None], ids[t + 1 : t + 2])[0]
+            progress(1)
+    return losses.cpu()
+
+
+def reference_logits(model: CausalLM, text: Tensor, policy: StartRecent | Dense,
+                     sinks: SinkPrefix = NO_SINKS) -> Iterator[Tensor]:
+    """The logits [vocab] of each query of the stream (sink ids, then ``text``) in order, the
+    last token excepted: what teacher forcing through the reference gives, e.g. to check a
+    generation step by step."""
+    return _decode(model, stream_ids(model, text, sinks), policy)
+
+
+@torch.inference_mode()
+def _decode(model: CausalLM, ids: Tensor, policy: StartRecent | Dense) -> Iterator[Tensor]:
+    """Token by token with the model's ``KVCache``: before each token the policy's evictions,
+    then cached positions re-assigned to 0..len-1 (dense keeps true positions, which are the
+    same numbers) and the token at the next position."""
+    cache = KVCache(model.config.n_layer)
     for t in range(len(ids) - 1):
         if isinstance(policy, StartRecent):
             index = policy.keep_index(len(cache))
@@ -52,11 +70,7 @@ def reference_losses(model: CausalLM, text: Tensor, policy: CachePolicy,
                 cache.keep(index.to(ids.device))
             cache.positions = torch.arange(len(cache), device=ids.device).unsqueeze(0)
         position = torch.tensor([[len(cache)]], device=ids.device)
-        logits = model(ids[t : t + 1].unsqueeze(0), position_ids=position, cache=cache)
-        if t >= n_sink_ids:
-            losses[t - n_sink_ids] = token_losses(logits[0, -1:], ids[t + 1 : t + 2])[0]
-            progress(1)
-    return losses.cpu()
+        yield model(ids[t : t + 1].unsqueeze(0), position_ids=position, cache=cache)[0, -1]
 
 
 @torch.inference_mode()
