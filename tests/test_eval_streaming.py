@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.sharp_models import VOCAB, sharp_model
 
 from sinklm.data.sinks import SinkPrefix
 from sinklm.eval.cache import CachePolicy, Dense, StartRecent, parse_cache
@@ -21,29 +22,6 @@ from sinklm.eval.streaming import evaluate
 from sinklm.eval.texts import Stream
 from sinklm.models import SOFTMAX_VARIANTS, CausalLM, ModelConfig
 from sinklm.models.model import Attention
-
-VOCAB = 97
-
-
-
-def sharp_model(softmax: str, sink_tokens: int = 0, seed: int = 0) -> CausalLM:
-    """A small random model whose attention is far from uniform, so that a key at a wrong
-    position or a missing key changes the loss by much more than the tolerance."""
-    torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, max_seq_len=64,
-        attention={"softmax": softmax, "backend": "sdpa"}, sink_tokens=sink_tokens,
-    )
-    model = CausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("query_key_value.weight"):
-                param.mul_(4.0)
-            elif name.endswith("sink_logit"):
-                param.normal_(0.0, 1.0)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-    return model
 
 
 def stream(length: int, sinks: int, seed: int = 1) -> tuple[torch.Tensor, SinkPrefix]:
