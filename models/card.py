@@ -41,7 +41,8 @@ def model_card(
     config = checkpoint.model.config
     softmax, remote = config.attention.softmax, needs_remote_code(config)
     names = SinkPrefix(checkpoint.sink_token_ids).names(tokenizer)
-    tags = ["sinklm", "gpt_neox", "pythia", "attention-sinks", f"attention-{softmax}"]
+    tags = ["sinklm", "gpt_neox", "pythia", "attention-sinks", f"attention-{softmax}",
+            "custom_generate"]
     if config.sink_tokens:
         tags.append("sink-token")
     if remote:
@@ -88,12 +89,13 @@ def model_card(
             "`convert.py`, `compat.py`) with a thin transformers wrapper "
             "(`modeling_sinklm.py`); loading "
             "(model and tokenizer: transformers reads the config for both) needs "
-            "`trust_remote_code=True` and works offline. Generation recomputes the whole "
-            "sequence at each step and padded batches are refused; sinklm's own KV cache is "
-            "the fast path.",
+            "`trust_remote_code=True` and works offline. Plain `generate` recomputes the whole "
+            "sequence at each step and padded batches are refused; streaming generation "
+            "(below) runs the network's own KV cache.",
             "",
         ]
-    lines += [*_model_table(checkpoint), "", "## Training recipe", ""]
+    lines += [*_streaming_section(checkpoint, where), *_model_table(checkpoint), "",
+              "## Training recipe", ""]
     if training:
         lines += ["```yaml", yaml.safe_dump(dict(training), sort_keys=False).rstrip(), "```"]
     else:
@@ -104,6 +106,38 @@ def model_card(
     for name, data in results.items():
         lines += [*_results_section(name, data), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _streaming_section(checkpoint: Checkpoint, where: str) -> list[str]:
+    """How to stream past the context with the start+recent cache the folder's
+    ``custom_generate/generate.py`` implements. The example's sizes are ``sinklm generate``'s
+    default: the sink ids (4 tokens without, as StreamingLLM) and the rest of the trained
+    context less the query's slot, so queries stay at trained positions."""
+    context = checkpoint.model.config.max_seq_len
+    start = min(len(checkpoint.sink_token_ids) or 4, context - 1)
+    recent = max(0, context - 1 - start)
+    return [
+        "## Streaming generation",
+        "",
+        "The folder ships StreamingLLM's cache as transformers `custom_generate` code "
+        "(`custom_generate/generate.py`, torch and transformers only): `start_size` first "
+        "tokens and `recent_size` most recent ones, positions re-assigned inside the cache at "
+        "every step, so generation runs past the context with a cache of "
+        "`start_size + recent_size` entries per layer. It gives the same greedy tokens as "
+        f"`sinklm generate --cache {start}+{recent} --greedy`. With `model` and `inputs` as "
+        "above:",
+        "",
+        "```python",
+        "output = model.generate(",
+        f'    **inputs, custom_generate="{where}", trust_remote_code=True,',
+        f"    start_size={start}, recent_size={recent}, max_new_tokens=2000,",
+        ")",
+        "```",
+        "",
+        "Greedy and one sequence at a time; a prompt longer than the cache is streamed through "
+        "it too. Without `start_size` and `recent_size`, `generate` is transformers' own.",
+        "",
+    ]
 
 
 def _model_table(checkpoint: Checkpoint) -> list[str]:

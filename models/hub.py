@@ -11,6 +11,9 @@ model card (README.md, written by ``models/card.py``). config.json's ``sinklm`` 
 - ``softmax1``, ``sink_logit`` and ``gated`` models get model type ``sinklm`` and an ``auto_map``
   to ``modeling_sinklm.py``, shipped with verbatim copies of the models/ files it imports; they
   load with ``trust_remote_code=True``, offline.
+- Every export ships ``custom_generate/generate.py`` (a copy of ``models/custom_generate.py``):
+  transformers' ``generate(..., custom_generate=folder, start_size=x, recent_size=y)`` streams
+  through StreamingLLM's start+recent cache as ``sinklm generate`` does.
 
 The export is built in a temporary folder beside the output and moved in at the end, so a
 failure leaves nothing half-written. Input is an in-memory :class:`Checkpoint` (model,
@@ -54,6 +57,9 @@ from sinklm.models.load import Checkpoint
 # sinklm's network files that modeling_sinklm.py imports (relatively), and the wrapper itself.
 NETWORK_FILES = ("config.py", "compat.py", "attention.py", "model.py", "convert.py")
 WRAPPER_FILES = ("configuration_sinklm.py", "modeling_sinklm.py")
+# Where transformers looks for generation code in a model folder, and its source in models/.
+CUSTOM_GENERATE = "custom_generate/generate.py"
+CUSTOM_GENERATE_SOURCE = "custom_generate.py"
 AUTO_MAP = {
     "AutoConfig": "configuration_sinklm.SinkLMConfig",
     "AutoModelForCausalLM": "modeling_sinklm.SinkLMForCausalLM",
@@ -107,22 +113,33 @@ def export_model(
         _write_json(staging / "config.json", hf_config_dict(checkpoint, eod))
         write_tokenizer(tokenizer, eod, staging, model.config.max_seq_len)
         _write_generation_config(eod, model.config, staging)
+        package = Path(sinklm.models.__file__).parent
         if needs_remote_code(model.config):
-            package = Path(sinklm.models.__file__).parent
             for name in NETWORK_FILES + WRAPPER_FILES:
                 shutil.copyfile(package / name, staging / name)
+        (staging / CUSTOM_GENERATE).parent.mkdir()
+        shutil.copyfile(package / CUSTOM_GENERATE_SOURCE, staging / CUSTOM_GENERATE)
         if training:
             (staging / RECIPE_FILE).write_text(yaml.safe_dump(dict(training), sort_keys=False))
         card = model_card(checkpoint, tokenizer, training, results or {}, repo_id or str(out))
         (staging / "README.md").write_text(card)
         if out.exists():
-            for path in staging.iterdir():
-                os.replace(path, out / path.name)
+            _move_into(staging, out)
         else:
             staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _move_into(source: Path, target: Path) -> None:
+    """Move ``source``'s files into the folder ``target``, replacing same-named files and
+    merging subfolders (a re-export's custom_generate/), so other files there stay."""
+    for path in source.iterdir():
+        if path.is_dir() and (target / path.name).is_dir():
+            _move_into(path, target / path.name)
+        else:
+            os.replace(path, target / path.name)
 
 
 def check_output(output: str | Path, source: str, overwrite: bool) -> Path:

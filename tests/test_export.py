@@ -1,15 +1,11 @@
 """`sinklm export`: transformers loads every variant with our logits; tokenizer, card, Hub, safety.
 
-The tokenizer is a tiny BPE trained here (no shared data needed), so sink ids are small.
+Checkpoints are tiny random models with a tiny BPE trained in the test (helpers/export_models).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,12 +14,18 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
+from helpers.export_models import (  # noqa: E402
+    TEXT,
+    load_export,
+    make_checkpoint,
+    run_without_sinklm,
+    tiny_tokenizer,
+)
 from tokenizers import Tokenizer  # noqa: E402
 
 from sinklm.cli.main import main as sinklm_main  # noqa: E402
-from sinklm.data.tokenizer import sink_token_ids, train_tokenizer  # noqa: E402
-from sinklm.models import CausalLM, ModelConfig  # noqa: E402
 from sinklm.models.hub import (  # noqa: E402
+    CUSTOM_GENERATE,
     NETWORK_FILES,
     WRAPPER_FILES,
     ExportError,
@@ -33,41 +35,14 @@ from sinklm.models.hub import (  # noqa: E402
     find_training_recipe,
     push_to_hub,
 )
-from sinklm.models.load import Checkpoint, load_checkpoint  # noqa: E402
+from sinklm.models.load import load_checkpoint  # noqa: E402
 
-TEXT = "The quick brown fox jumps over the lazy dog. A sink token sits in front of every text."
-VOCAB = 320  # embedding rows; the trained tokenizer uses fewer, leaving room for sinks
 VARIANTS = [("softmax", 0), ("softmax", 1), ("softmax1", 0), ("sink_logit", 0), ("gated", 2)]
 
 
 @pytest.fixture(scope="module")
 def base_tokenizer() -> Tokenizer:
-    corpus = [TEXT, "the lazy dog sleeps", "foxes jump and dogs sleep", "tokens in front"] * 20
-    return train_tokenizer(corpus, vocab_size=290, min_frequency=1)
-
-
-def make_checkpoint(tokenizer: Tokenizer, softmax: str, sinks: int, seed: int = 0) -> Checkpoint:
-    """A small random model whose every weight (sink logits and gates too) is non-trivial."""
-    torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=VOCAB, n_layer=2, n_head=4, d_model=64, max_seq_len=64,
-        attention={"softmax": softmax}, sink_tokens=sinks,
-    )
-    model = CausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    tokenizer = Tokenizer.from_str(tokenizer.to_str())
-    ids = sink_token_ids(tokenizer, sinks, VOCAB)
-    return Checkpoint(model, tokenizer, ids, f"tiny-{softmax}-{sinks}", "memory")
-
-
-def load_export(folder: Path, remote: bool) -> tuple[torch.nn.Module, object]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, trust_remote_code=remote, dtype=torch.float32
-    ).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=remote)
-    return model, tokenizer
+    return tiny_tokenizer()
 
 
 @pytest.mark.parametrize(("softmax", "sinks"), VARIANTS)
@@ -83,7 +58,8 @@ def test_transformers_loads_every_variant_with_our_logits(
     assert ("auto_map" in config) == remote
     assert config["model_type"] == ("sinklm" if remote else "gpt_neox")
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "generation_config.json", "README.md"):
+                 "special_tokens_map.json", "generation_config.json", "README.md",
+                 CUSTOM_GENERATE):
         assert (folder / name).is_file(), name
     assert all((folder / name).is_file() == remote for name in NETWORK_FILES + WRAPPER_FILES)
 
@@ -133,15 +109,7 @@ def test_remote_code_loads_offline_in_a_fresh_process(
     ids = torch.tensor([[*checkpoint.sink_token_ids, 5, 17, 42, 99]])
     with torch.no_grad():
         torch.save({"ids": ids, "logits": checkpoint.model(ids)}, tmp_path / "expected.pt")
-    script = textwrap.dedent(f"""
-        import importlib.abc, sys
-
-        class NoSinkLM(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name.split(".")[0] == "sinklm":
-                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-
-        sys.meta_path.insert(0, NoSinkLM())
+    output = run_without_sinklm(f"""
         import torch, transformers
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -149,13 +117,8 @@ def test_remote_code_loads_offline_in_a_fresh_process(
         with torch.no_grad():
             diff = (model(expected["ids"]).logits - expected["logits"]).abs().max().item()
         print(type(model).__module__, diff)
-    """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    module, diff = done.stdout.split()[-2:]
+    """, tmp_path)
+    module, diff = output.split()[-2:]
     assert module.startswith("transformers_modules.") and float(diff) < 1e-4
 
 
