@@ -3,7 +3,9 @@
 Part 1, the sink lab (``--only lab``, ``demo_lab.py``): a synthetic task on which sinks form in
 seconds. Part 2, natural text (``--only text``, ``demo_text.py``): a tokenizer and packed corpus,
 three tiny models trained on it, streamed on a held-out book, and a real Pythia where the Hub
-is reachable. Both train through ``demo_runs.py``, which reuses what a previous run made.
+is reachable. Both train through ``demo_runs.py``, which reuses what a previous run made. The
+demo ends with the lab's sink-token model generating far past its context, scored by the chain
+that made its data.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import os
 import time
 from pathlib import Path
 
-from sinklm.cli.demo_lab import print_lab, run_lab
+from sinklm.cli.demo_lab import (
+    GENERATED_CONTEXTS,
+    print_generation,
+    print_lab,
+    run_generation,
+    run_lab,
+)
 from sinklm.cli.demo_runs import DemoError
 from sinklm.cli.demo_text import DEFAULT_PYTHIA, LOCAL_DATA, print_text, run_text, text_data
 from sinklm.cli.main import check_at_least
@@ -26,8 +34,10 @@ def define_demo(parser: argparse.ArgumentParser) -> None:
         "them on its held-out split with the paper's cache grid, where a sink forms in seconds. "
         "Part 2, natural text: prepare the corpus, train tiny vanilla, zero_sink and sink_token "
         "models (configs/experiments/tiny-*.yaml), stream-evaluate them on a held-out book, "
-        "measure sinks, and, where the Hub is reachable, stream a real Pythia. Everything is "
-        "reused on a rerun.")
+        "measure sinks, and, where the Hub is reachable, stream a real Pythia. It ends with the "
+        f"sink lab's sink-token model generating {GENERATED_CONTEXTS}x its trained context with "
+        "its sink id kept and evicted, scored by the true chain. Models and reports are reused "
+        "on a rerun.")
     parser.epilog = (
         "example: sinklm demo\n"
         "         sinklm demo --only lab\n"
@@ -73,7 +83,7 @@ def _minutes(seconds: float) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     stamps: dict[str, float] = {}
-    lab = text = None
+    lab = text = generation = None
     check_at_least(("--steps", args.steps, 1), ("--lab-steps", args.lab_steps, 1),
                    ("--max-eval-tokens", args.max_eval_tokens, 2),
                    ("--lab-eval-tokens", args.lab_eval_tokens, 2), ("--threads", args.threads, 1))
@@ -91,12 +101,16 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.only in (None, "lab"):
         lab = run_lab(args)
         stamps["sink lab"] = time.perf_counter() - start
+        generation = run_generation(lab)
+        stamps["lab generation"] = time.perf_counter() - start - stamps["sink lab"]
     if data is not None:
         text = run_text(args, data, stamps)
     if lab is not None:
         print_lab(lab, args)
     if text is not None:
         print_text(*text, args)
+    if generation is not None:
+        print_generation(generation)
     timing = ", ".join(f"{name} {_minutes(seconds)}" for name, seconds in stamps.items())
     print(f"\ntime: {_minutes(time.perf_counter() - start)} ({timing}) on {os.cpu_count()} CPU "
           f"cores, load average {os.getloadavg()[0]:.2f}")

@@ -2,23 +2,53 @@
 
 Bigram-Backcopy data generated and packed as ``configs/data/bigram_backcopy.yaml`` says; the
 ``vanilla``, ``zero_sink`` and ``sink_token`` models of ``configs/experiments/bb-*.yaml`` trained
-on it; ``sinklm compare`` on its held-out validation split with the paper's cache grid.
+on it; ``sinklm compare`` on its held-out validation split with the paper's cache grid. Then
+streaming generation from the sink-token model far past its trained context, with the sink id
+kept and evicted, scored by the chain that made the data (the one task whose truth is known).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sinklm.cli.demo_runs import VARIANTS, DemoError, read_config, say, train
 from sinklm.cli.main import UserError
 
+if TYPE_CHECKING:
+    from sinklm.data.synthetic import StreamScore
+
 LAB_DATA = "data/bigram_backcopy.yaml"
+# Generation: tokens per cache in trained contexts, and the seed of the model's and the
+# chain's samples.
+GENERATED_CONTEXTS = 20
+GENERATION_SEED = 0
 
 
-def run_lab(args: argparse.Namespace) -> Any:
+@dataclass(frozen=True)
+class Lab:
+    """What the sink lab made: its comparison report, the sink-token checkpoint, and the
+    generator parameters the data was packed with (the truth generation is scored by)."""
+
+    report: Any
+    sink_token: Path
+    source: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Streams sampled from the sink-token model, scored per cache, and the chain's own."""
+
+    context: int  # the model's trained context W
+    tokens: int  # generated per cache
+    scores: dict[str, StreamScore]  # by cache label
+    truth: StreamScore  # a sample of the chain itself: what perfect looks like
+
+
+def run_lab(args: argparse.Namespace) -> Lab:
     """The sink lab: Bigram-Backcopy packed, the three bb models trained, their report."""
     from sinklm.data import PrepareConfig, prepare_data
     from sinklm.data.errors import DataError
@@ -31,16 +61,55 @@ def run_lab(args: argparse.Namespace) -> Any:
         meta = prepare_data(PrepareConfig.from_dict(config))
     except DataError as error:
         raise DemoError(f"sink lab data: {error} (move {packed} aside to rebuild it)") from None
-    checkpoints = [
-        str(train("bb", variant, args.output_dir / "lab" / variant, packed, meta,
-                  args.lab_steps, []))
+    checkpoints = {
+        variant: train("bb", variant, args.output_dir / "lab" / variant, packed, meta,
+                       args.lab_steps, [])
         for variant in VARIANTS
-    ]
+    }
     settings = Settings(texts=(), packed=f"{packed}:validation", max_tokens=args.lab_eval_tokens)
     try:
-        return compare(checkpoints, args.output_dir / "lab" / "report", settings)
+        report = compare([str(path) for path in checkpoints.values()],
+                         args.output_dir / "lab" / "report", settings)
     except UserError as error:
         raise DemoError(f"sink lab evaluation: {error}") from None
+    return Lab(report, checkpoints["sink_token"], meta["source"])
+
+
+def run_generation(lab: Lab) -> Generation:
+    """Sample GENERATED_CONTEXTS trained contexts from the sink-token model per cache: the
+    sink id kept (``1+(W-2)``, as ``sinklm generate`` defaults) and evicted (``0+(W-1)``),
+    each plus the query filling the context W. Both start from the sink id alone, as every
+    training window does, so the first token is a document start to the chain as well.
+    Sampled at temperature 1: greedy decoding falls into a loop and leaves nothing to score."""
+    from sinklm.cli.generate import default_cache
+    from sinklm.data.synthetic import (
+        SYMBOL_ID_OFFSET,
+        BigramBackcopySpec,
+        build_chain,
+        generate,
+        score_stream,
+    )
+    from sinklm.eval.cache import StartRecent
+    from sinklm.eval.generate import Sampling, Session
+    from sinklm.models.load import load_checkpoint
+
+    checkpoint = load_checkpoint(lab.sink_token)
+    chain = build_chain(BigramBackcopySpec.from_dict(lab.source))
+    context = checkpoint.model.config.max_seq_len
+    tokens = GENERATED_CONTEXTS * context
+    kept = default_cache(checkpoint)
+    scores: dict[str, StreamScore] = {}
+    for policy in (kept, StartRecent(0, kept.size)):
+        say(f"sink lab: generating {tokens:,} tokens from sink_token with cache {policy.label}")
+        session = Session(checkpoint.model, policy, Sampling(temperature=1.0,
+                                                             seed=GENERATION_SEED))
+        session.feed(checkpoint.sink_token_ids)
+        drawn = [session.draw()[0] for _ in range(tokens)]
+        # Up to then both caches hold the whole stream: only later tokens can differ.
+        scores[policy.label] = score_stream(chain, drawn, scored_from=context)
+    (sample,) = generate(chain, [tokens], [[GENERATION_SEED]])
+    truth = score_stream(chain, sample + SYMBOL_ID_OFFSET, scored_from=context)
+    return Generation(context, tokens, scores, truth)
 
 
 def lab_table(report: Any) -> str:
@@ -62,7 +131,8 @@ def lab_table(report: Any) -> str:
     return "\n".join(lines)
 
 
-def print_lab(report: Any, args: argparse.Namespace) -> None:
+def print_lab(lab: Lab, args: argparse.Namespace) -> None:
+    report = lab.report
     print("\n## Sink lab: Bigram-Backcopy (synthetic; Guo et al. 2024, arXiv 2410.13835)\n")
     print(f"Streaming perplexity on the held-out validation split (first "
           f"{args.lab_eval_tokens:,} tokens). A synthetic task on which sinks form in seconds; "
@@ -71,3 +141,34 @@ def print_lab(report: Any, args: argparse.Namespace) -> None:
     print()
     print("\n".join(report.findings))
     print(f"\nreport: {report.files['markdown']} ({report.provenance()})")
+
+
+def generation_table(generation: Generation) -> str:
+    """Per cache, and for the chain's own sample: copy accuracy, the chain's log-likelihood of
+    the other tokens, and the share of them it forbids (their -inf kept out of the mean)."""
+    lines = ["| cache | copy accuracy | true log-likelihood per non-copy token | non-copy "
+             "tokens the chain forbids |", "|---|---:|---:|---:|"]
+    rows = [*generation.scores.items(), ("the true chain's own sample", generation.truth)]
+    for label, score in rows:
+        accuracy = "-" if not score.copies else f"{score.copy_accuracy:.3f}"
+        lines.append(f"| {label} | {accuracy} ({score.copied}/{score.copies}) | "
+                     f"{score.mean_loglik:.3f} | {score.forbidden_share:.1%} "
+                     f"({score.forbidden}/{score.others}) |")
+    return "\n".join(lines)
+
+
+def print_generation(generation: Generation) -> None:
+    kept, evicted = generation.scores
+    print("\n## Streaming generation from the sink lab's sink-token model, scored by the true "
+          "chain\n")
+    print(f"{generation.tokens:,} tokens ({generation.tokens // generation.context} x its "
+          f"trained context W = {generation.context}) sampled per cache at temperature 1 (seed "
+          f"{GENERATION_SEED}) from the sink id alone, written on past end-of-document as a "
+          "packed stream is (a new chain starts there). Each cache plus the query fills W: "
+          f"{kept} keeps the sink id, {evicted} evicts it once full; tokens are scored from the "
+          f"{generation.context + 1}th on, the first whose context the caches can differ in. "
+          "Copy accuracy: the share "
+          "of tokens after a trigger that repeat the token before it. Log-likelihood: the "
+          "chain's, in nats, of the other tokens it allows. In brackets, the counts: right "
+          "copies of copy positions, forbidden of non-copy tokens.\n")
+    print(generation_table(generation))

@@ -43,6 +43,8 @@ GENERATORS = (BIGRAM_BACKCOPY,)
 # Bump when the generated streams change for the same parameters, so old shards are refused.
 GENERATOR_VERSION = 1
 UNK_TOKEN = "<|unk|>"
+# The tokenizer's ids: end-of-document 0, unknown 1, then symbol i at i + SYMBOL_ID_OFFSET.
+EOD_ID, SYMBOL_ID_OFFSET = 0, 2
 _SYMBOL, _TRIGGER = "sym", "trig"
 _TRIGGER_NAME = re.compile(rf"{_TRIGGER}\d+")
 # Documents generated together (one vectorised step over all of them per position).
@@ -271,12 +273,77 @@ def optimal_nll(chain: Chain, document: np.ndarray) -> np.ndarray:
     return np.where(chain.is_trigger[previous], 0.0, chain.entropy()[previous])
 
 
+@dataclass(frozen=True)
+class StreamScore:
+    """A token stream judged by the true chain (:func:`score_stream`): a generated stream has
+    no reference text, but the process that a Bigram-Backcopy model learned is known."""
+
+    copies: int  # copy positions: after a trigger that follows a symbol of the same document
+    copied: int  # of them, tokens that repeat the symbol before the trigger
+    others: int  # the other scored positions, drawn from the chain's bigram row (or its start)
+    forbidden: int  # of them, tokens the chain gives probability zero
+    loglik: float  # the chain's log-probability (nats) of the other, allowed tokens, summed
+
+    @property
+    def copy_accuracy(self) -> float:
+        return self.copied / self.copies if self.copies else math.nan
+
+    @property
+    def mean_loglik(self) -> float:
+        """Per allowed non-copy token; minus the bigram entropy on average for the chain's own
+        samples (a forbidden token's -inf is counted in ``forbidden`` instead)."""
+        allowed = self.others - self.forbidden
+        return self.loglik / allowed if allowed else math.nan
+
+    @property
+    def forbidden_share(self) -> float:
+        return self.forbidden / self.others if self.others else math.nan
+
+
+def score_stream(chain: Chain, ids: np.ndarray | list[int], scored_from: int = 0) -> StreamScore:
+    """Score token ids of the chain's tokenizer as the chain would have produced them, from
+    index ``scored_from`` on (the ids before it only set the chain's state).
+
+    The stream starts a document, as does every end-of-document id (a packed stream goes on
+    past it; the id itself is not scored). A document's first symbol is scored by the start
+    distribution, a symbol after a trigger at document position >= 1 as a copy, every other
+    by its bigram row. Any other id (unknown, a sink id) is forbidden, and starts a document
+    too: the chain has no state after it.
+    """
+    with np.errstate(divide="ignore"):
+        log_table, log_start = np.log(chain.table), np.log(chain.stationary)
+    is_trigger = chain.is_trigger
+    copies = copied = others = forbidden = 0
+    loglik = 0.0
+    before: list[int] = []  # the current document's last two symbols
+    for index, token in enumerate(np.asarray(ids, dtype=np.int64).tolist()):
+        if token == EOD_ID:
+            before = []
+            continue
+        symbol = token - SYMBOL_ID_OFFSET
+        known = 0 <= symbol < len(chain.table)
+        scored = index >= scored_from
+        if len(before) == 2 and is_trigger[before[1]]:
+            copies += scored
+            copied += scored and known and symbol == before[0]
+        elif scored:
+            others += 1
+            logp = -math.inf if not known else float(
+                log_table[before[-1], symbol] if before else log_start[symbol])
+            if logp == -math.inf:
+                forbidden += 1
+            else:
+                loglik += logp
+        before = [*before[-1:], symbol] if known else []
+    return StreamScore(copies, copied, others, forbidden, loglik)
+
+
 def build_tokenizer(spec: BigramBackcopySpec, chain: Chain) -> Tokenizer:
     """A WordLevel tokenizer: end-of-document (id 0), unknown (1), then one word per symbol."""
     is_trigger = chain.is_trigger
-    vocab = {EOD_TOKEN: 0, UNK_TOKEN: 1}
+    vocab = {EOD_TOKEN: EOD_ID, UNK_TOKEN: 1}
     for index in range(spec.vocab):
-        vocab[symbol_name(index, bool(is_trigger[index]))] = index + 2
+        vocab[symbol_name(index, bool(is_trigger[index]))] = index + SYMBOL_ID_OFFSET
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens([AddedToken(EOD_TOKEN, special=True),
@@ -342,7 +409,7 @@ class SyntheticSource:
         floor = np.concatenate([optimal_nll(chain, document) for document in sample])
         return {
             "trigger_symbols": chain.triggers.tolist(),
-            "trigger_token_ids": sorted(int(i) + 2 for i in chain.triggers),
+            "trigger_token_ids": sorted(int(i) + SYMBOL_ID_OFFSET for i in chain.triggers),
             "trigger_share": float(np.mean([chain.is_trigger[d].mean() for d in sample])),
             "optimal_ppl": math.exp(float(floor.mean())),
             "units": chain.units,

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinklm.cli import demo_lab, demo_runs, demo_text
+from sinklm.cli import demo, demo_lab, demo_runs, demo_text
 from sinklm.cli.main import main as sinklm_main
 from sinklm.data.sinks import SinkPrefix
+from sinklm.data.synthetic import BigramBackcopySpec, build_chain, score_stream
 from sinklm.eval import compare as compare_module
-from sinklm.eval.cache import parse_caches
+from sinklm.eval.cache import StartRecent, parse_caches
+from sinklm.eval.generate import Detokenizer, Sampling, Session, answer
 from sinklm.eval.report import markdown_table
 from sinklm.eval.streaming import evaluate
 from sinklm.eval.texts import encode_streams, read_files
@@ -54,6 +56,14 @@ def test_demo_runs_the_whole_path_then_reuses_it(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # tokenizers/, packed/ and runs/ land here
     monkeypatch.setattr(demo_text, "hub_unreachable", lambda: "offline in this test")
+    monkeypatch.setattr(demo_lab, "GENERATED_CONTEXTS", 2)  # 256 tokens per cache, not 2,560
+    made: list[demo_lab.Generation] = []
+
+    def generation(lab: demo_lab.Lab) -> demo_lab.Generation:
+        made.append(demo_lab.run_generation(lab))
+        return made[-1]
+
+    monkeypatch.setattr(demo, "run_generation", generation)
     threads = torch.get_num_threads()
     try:
         assert sinklm_main(demo_args(demo_data)) == 0
@@ -95,6 +105,24 @@ def test_demo_runs_the_whole_path_then_reuses_it(
         printed = [r["ppl"] for r in report["streaming"]["results"][label]]
         assert printed == pytest.approx([r.ppl for r in direct], rel=1e-5)
 
+    # It ends with the lab's sink-token model generating past its context per cache, scored by
+    # the chain; the printed scores are those of the stream `answer` draws with the settings
+    # the caption states (the sink id alone, temperature 1, seed 0, past end-of-document).
+    (scored,) = made
+    assert out.index("## Natural text") < out.index("## Streaming generation") < out.index(
+        "\ntime:")
+    assert demo_lab.generation_table(scored) in out and "lab generation " in out
+    assert (scored.context, scored.tokens, list(scored.scores)) == (128, 256, ["1+126", "0+127"])
+    assert scored.truth.copy_accuracy == 1.0 and scored.truth.forbidden == 0
+    checkpoint = load_checkpoint("runs/demo/lab/sink_token/checkpoints/last.ckpt")
+    chain = build_chain(BigramBackcopySpec.from_dict(
+        json.loads(Path("packed/bigram_backcopy/meta.json").read_text())["source"]))
+    for policy in (StartRecent(1, 126), StartRecent(0, 127)):
+        session = Session(checkpoint.model, policy, Sampling(temperature=1.0, seed=0))
+        turn = answer(session, checkpoint.sink_token_ids, Detokenizer(checkpoint.tokenizer), 256)
+        assert score_stream(chain, turn.generated_ids, scored_from=128) == scored.scores[
+            policy.label]
+
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("a rerun must reuse what the first run made")
 
@@ -104,6 +132,7 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     out = capsys.readouterr().out
     assert table in out and "0 results measured in this run, 18 reused" in out
     assert out.count("0 results measured in this run, 18 reused") == 2  # the lab's too
+    assert made[1] == scored  # generated again, the same
 
     assert sinklm_main(demo_args(demo_data, "--steps", "3")) == 2
     err = capsys.readouterr().err
