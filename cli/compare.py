@@ -18,7 +18,8 @@ def define_compare(parser: argparse.ArgumentParser) -> None:
         "per task) and plots (perplexity per cache, attention on the first token per layer, "
         "running perplexity per model). Results are cached in DIR/cache per checkpoint "
         "(path, size and mtime of its files) and setting, so a rerun computes only what is "
-        "missing. Models are named by their configs.")
+        "missing; a report made from other checkpoints, text or settings is replaced only "
+        "with --overwrite. Models are named by their configs.")
     parser.epilog = (
         "example: sinklm compare runs/demo/vanilla/checkpoints/last.ckpt \\\n"
         "           runs/demo/sink_token/checkpoints/last.ckpt \\\n"
@@ -52,9 +53,11 @@ def define_compare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-iters", type=int, default=100_000,
                         help="resamples for the stderr of non-mean metrics (lambada perplexity)")
     parser.add_argument("--output", type=Path, required=True, metavar="DIR",
-                        help="the report folder (reused: its cache makes reruns cheap)")
+                        help="the report folder (reused for the same checkpoints, text and "
+                        "settings: its cache makes reruns cheap)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into a folder that holds other files (they stay)")
+                        help="replace a report made from other inputs, or write into a folder "
+                        "that holds other files (they stay)")
     parser.add_argument("--device", help=DEVICE_HELP)
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     parser.set_defaults(func=run_compare)
@@ -62,18 +65,21 @@ def define_compare(parser: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace) -> int:
     from sinklm.eval.cache import parse_caches
-    from sinklm.eval.compare import Settings, compare
 
     check_at_least(("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
                    ("--batch-size", args.batch_size, 1))
-    args.device = args.device or default_device()
-    check_device(args.device)
     tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
     if args.data_dir is not None and not tasks:
         raise UserError("--data-dir is for zero-shot tasks; name them with --tasks")
+    caches = tuple(parse_caches(args.cache)) if args.cache is not None else None
+    # The checks above answer at once; torch loads from here on.
+    from sinklm.eval.compare import Settings, compare
+
+    args.device = args.device or default_device()
+    check_device(args.device)
     settings = Settings(
         texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
-        caches=tuple(parse_caches(args.cache)) if args.cache is not None else None,
+        caches=caches,
         max_tokens=args.max_tokens, tasks=tasks, data_dir=args.data_dir, limit=args.limit,
         batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters,
         device=args.device, dtype=args.dtype,

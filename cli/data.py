@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from sinklm.cli.outputs import guard_writable
 from sinklm.data.errors import DataError
 from sinklm.data.packing import PrepareConfig, prepare_data
 from sinklm.data.sources import Source, SourceSpec
@@ -170,6 +171,8 @@ def define_train_tokenizer(parser: argparse.ArgumentParser) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     config = PrepareConfig.from_dict(_merged(args, _PREPARE_FLAGS))
+    output = Path(config.output).expanduser()
+    guard_writable([output, output.parent])  # packed beside the folder, then renamed into it
     meta = prepare_data(config)
     splits = {
         name: {"documents": s["documents"], "tokens": s["tokens"]}
@@ -181,12 +184,14 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def _check_tokenizer_output(output: Path, overwrite: bool) -> None:
-    """Refuse, before reading the corpus, to replace a tokenizer that packed data may use."""
+    """Refuse, before reading the corpus, to replace a tokenizer that packed data may use, or
+    to write where this process cannot."""
     if output.is_file():
         raise DataError(f"--output {output} is a file; give a folder for tokenizer.json")
     if (output / "tokenizer.json").exists() and not overwrite:
         raise DataError(f"--output {output} already holds a tokenizer.json: pass --overwrite "
                         "to replace it")
+    guard_writable([output])
 
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:

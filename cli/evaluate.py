@@ -1,5 +1,9 @@
 """``sinklm stream-eval`` (streaming perplexity under KV cache policies) and ``sinklm sinks``
-(where attention goes), on any checkpoint ``load_checkpoint`` reads."""
+(where attention goes), on any checkpoint ``load_checkpoint`` reads.
+
+Each checks, in this order and before torch loads, every file it will write, its numeric
+settings, its cache specs and its text source; only then the model loads.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from sinklm.cli.main import UserError, check_at_least
 from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, default_device
-from sinklm.cli.outputs import output_refusal
+from sinklm.cli.outputs import guard_outputs, write_atomic
 
 if TYPE_CHECKING:
     from sinklm.data.sinks import SinkPrefix
@@ -143,19 +147,18 @@ def _streams(args: argparse.Namespace, checkpoint: Checkpoint, sinks: SinkPrefix
 
 def run_stream_eval(args: argparse.Namespace) -> int:
     command = "stream-eval"
-    refusal = output_refusal(args.output, args.overwrite)
-    if refusal:
-        raise UserError(refusal)
-    from sinklm.data.sinks import SinkPrefix
     from sinklm.eval.cache import check_policies, paper_caches, parse_caches
-    from sinklm.eval.report import format_ppl, markdown_table, write_outputs
-    from sinklm.eval.streaming import DEFAULT_CHUNK, CacheResult, evaluate
+    from sinklm.eval.report import format_ppl, markdown_table, output_files, write_outputs
 
-    args.device = args.device or default_device()
-    chunk_size = DEFAULT_CHUNK if args.chunk_size is None else args.chunk_size
-    check_at_least(("--max-tokens", args.max_tokens, 2), ("--chunk-size", chunk_size, 1))
+    guard_outputs(output_files(args.output), args.overwrite)
+    check_at_least(("--max-tokens", args.max_tokens, 2), ("--chunk-size", args.chunk_size, 1))
     policies = parse_caches(args.cache) if args.cache is not None else None
     _check_source(args)
+    from sinklm.data.sinks import SinkPrefix
+    from sinklm.eval.streaming import DEFAULT_CHUNK, CacheResult, evaluate
+
+    chunk_size = DEFAULT_CHUNK if args.chunk_size is None else args.chunk_size
+    args.device = args.device or default_device()
     checkpoint = load_model(args)
     config = checkpoint.model.config
     if policies is None:
@@ -199,22 +202,28 @@ def _row_label(checkpoint: Checkpoint) -> str:
     return f"{checkpoint.name} ({config.attention.softmax}, sink_tokens={config.sink_tokens})"
 
 
+def sinks_plot_files(output: Path) -> dict[str, Path]:
+    """Where ``sinklm sinks`` draws each plot of ``eval.sinks.plot_sinks``: beside the JSON,
+    named after its stem (``sinks_first.png``)."""
+    return {name: output.with_name(f"{output.stem}_{name}.png")
+            for name in ("first", "maps", "classes")}
+
+
 def run_sinks(args: argparse.Namespace) -> int:
     command = "sinks"
-    refusal = output_refusal(args.output, args.overwrite)
-    if refusal:
-        raise UserError(refusal)
+    plot_files = sinks_plot_files(args.output)
+    guard_outputs([args.output, *plot_files.values()], args.overwrite)
+    check_at_least(("--windows", args.windows, 1), ("--first", args.first, 1),
+                   ("--map-size", args.map_size, 1))
+    if not 0.0 <= args.eps < 1.0:
+        raise UserError(f"--eps {args.eps}: must lie in [0, 1)")
+    _check_source(args)
     import torch
 
     from sinklm.data.sinks import SinkPrefix
     from sinklm.eval.sinks import markdown_summary, measure_text, plot_sinks
 
     args.device = args.device or default_device()
-    check_at_least(("--windows", args.windows, 1), ("--first", args.first, 1),
-                   ("--map-size", args.map_size, 1))
-    if not 0.0 <= args.eps < 1.0:
-        raise UserError(f"--eps {args.eps}: must lie in [0, 1)")
-    _check_source(args)
     checkpoint = load_model(args)
     config = checkpoint.model.config
     window = args.window if args.window is not None else min(512, config.max_seq_len)
@@ -230,7 +239,7 @@ def run_sinks(args: argparse.Namespace) -> int:
     report = measure_text(checkpoint, torch.cat([s.text for s in streams]), window,
                           args.windows, args.first, args.eps, args.map_size)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    plots = plot_sinks(report, args.output.with_suffix(""))
+    plots = plot_sinks(report, plot_files)
     document = {
         "checkpoint": args.checkpoint,
         "model": checkpoint.describe(),
@@ -238,7 +247,7 @@ def run_sinks(args: argparse.Namespace) -> int:
         **report.to_json(),
         "plots": plots,
     }
-    args.output.write_text(json.dumps(document, indent=2) + "\n")
+    write_atomic(args.output, json.dumps(document, indent=2) + "\n")
     print(f"## {_row_label(checkpoint)}\n")
     print(markdown_summary(report))
     print(f"\nreport: {args.output}\nplots: {', '.join(plots.values())}")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from sinklm.cli.evaluate import load_model, warn
 from sinklm.cli.main import UserError
 from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, default_device
-from sinklm.cli.outputs import output_refusal, write_atomic
+from sinklm.cli.outputs import guard_outputs, write_atomic
 
 if TYPE_CHECKING:
     from sinklm.eval.cache import Dense, StartRecent
@@ -160,9 +160,8 @@ def default_cache(checkpoint: Checkpoint) -> StartRecent:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    refusal = args.output is not None and output_refusal(args.output, args.overwrite)
-    if refusal:
-        raise UserError(refusal)
+    if args.output is not None:
+        guard_outputs([args.output], args.overwrite)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if "{turn}" not in args.turn_template:

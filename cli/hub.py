@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sinklm.cli.main import UserError
 from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, OFFLINE_HINT
-from sinklm.cli.outputs import output_refusal, write_atomic
+from sinklm.cli.outputs import guard_outputs, guard_writable, write_atomic
 from sinklm.eval.zeroshot_tasks import PAPER_TASKS
 
 
@@ -96,7 +96,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO_ID; give both")
-    check_output(args.output, args.checkpoint, args.overwrite)
+    out = check_output(args.output, args.checkpoint, args.overwrite)
+    guard_writable([out, out.parent])  # the export is staged beside the folder, then renamed
     if args.push_to_hub:
         try:
             check_hub_token(args.push_to_hub)
@@ -119,20 +120,18 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_zeroshot(args: argparse.Namespace) -> int:
-    from lm_eval.utils import make_table
-
-    from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize
-    from sinklm.eval.zeroshot_tasks import task_specs
-
     output = Path(args.output).expanduser()
-    refusal = output_refusal(output, args.overwrite)
-    if refusal:
-        raise UserError(refusal)
+    guard_outputs([output], args.overwrite)
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: give a positive number of items")
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks:
         raise UserError("--tasks is empty: name at least one lm-eval task")
+    from lm_eval.utils import make_table
+
+    from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize
+    from sinklm.eval.zeroshot_tasks import task_specs
+
     try:
         specs = task_specs(tasks, args.data_dir)
         model = SinkLMEval(

@@ -14,17 +14,21 @@ the evaluators (``streaming.py``) implement it. Notation as StreamingLLM's:
   and its last position predicts the next token. ``S`` (stride, default 1) is the usual faster
   approximation: one window every S tokens scores its last S queries, so a query's context is
   between L-S and L-1 tokens.
+
+torch is imported only where a tensor is built, so a command checks its ``--cache`` at once,
+before loading torch and the model.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from sinklm.cli.main import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SPEC_HELP = "X+Y with integers X, Y >= 0 (e.g. 4+1020), 'dense', or 'recompute:L[:S]'"
 
@@ -56,6 +60,8 @@ class StartRecent:
         """Indices of the cache entries to keep before the next token, or None to keep all."""
         if cache_len <= self.size:
             return None
+        import torch  # here, not at import: cache specs are checked before torch loads
+
         first = torch.arange(self.start)
         return torch.cat([first, torch.arange(cache_len - self.recent, cache_len)])
 

@@ -2,9 +2,11 @@
 
 For each checkpoint: streaming perplexity under each KV cache (``streaming.evaluate``), where
 attention goes (``sinks.measure_text``) and, when tasks are named, lm-eval zero-shot scores
-(``zeroshot.evaluate``). This module decides what runs in which order: it checks the input,
-asks the cache (``compare_cache``) what is missing, computes only that, one checkpoint in
-memory at a time, and hands every result to the report (``compare_report``).
+(``zeroshot.evaluate``). This module decides what runs in which order: it checks the input
+(the output folder, and a report already there of other inputs, before any model loads; then
+every checkpoint's tokenizer against the text, before any is evaluated), asks the cache
+(``compare_cache``) what is missing, computes only that, one checkpoint in memory at a time,
+and hands every result to the report (``compare_report``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 from tqdm import tqdm
 
 from sinklm.cli.main import UserError
+from sinklm.cli.outputs import guard_writable
 from sinklm.data.sinks import SinkPrefix
-from sinklm.models.load import DTYPES, Checkpoint, load_checkpoint
+from sinklm.models.load import DTYPES, Checkpoint, load_checkpoint, load_tokenizer
 
 from .cache import CachePolicy, CacheSpecError, check_policies, paper_caches
 from .compare_cache import (
@@ -34,11 +37,27 @@ from .compare_cache import (
     Text,
     text_identity,
 )
-from .compare_report import REPORT_DIRS, REPORT_FILES, Measured, Report, write_report
+from .compare_report import (
+    REPORT_DIRS,
+    REPORT_FILES,
+    Measured,
+    Report,
+    changed_inputs,
+    report_inputs,
+    write_report,
+)
 from .report import format_ppl
-from .sinks import measure_text
+from .sinks import SinkReport, measure_text
 from .streaming import CacheResult, evaluate
-from .texts import Stream, check_files, encode_streams, packed_streams, read_files
+from .texts import (
+    Stream,
+    TextSourceError,
+    check_files,
+    check_packed_tokenizer,
+    encode_streams,
+    packed_streams,
+    read_files,
+)
 
 
 class CompareError(UserError, ValueError):
@@ -66,10 +85,12 @@ class Settings:
 
 def check_output(output: Path, overwrite: bool) -> Path:
     """The output folder, refused if it holds anything but an earlier report (unless
-    ``overwrite``: then the report's files are replaced and the others stay)."""
+    ``overwrite``: then the report's files are replaced and the others stay) or cannot be
+    written."""
     out = output.expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise CompareError(f"--output {out} is a file; give a folder")
+    guard_writable([out])
     ours = set(REPORT_FILES) | set(REPORT_DIRS)
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
     if foreign and not overwrite:
@@ -148,7 +169,7 @@ def _stream(model: ModelCache, checkpoint: Checkpoint, policies: Sequence[CacheP
     evaluate(checkpoint.model, streams, list(policies), on_result=store)
 
 
-def _sinks(model: ModelCache, checkpoint: Checkpoint, text: Text) -> None:
+def _sinks(model: ModelCache, checkpoint: Checkpoint, text: Text) -> SinkReport:
     """measure_text on windows of the texts, as `sinklm sinks` does by default."""
     window = model.sink_window
     budget = SINK_WINDOWS * (window - len(checkpoint.sink_token_ids))
@@ -156,6 +177,7 @@ def _sinks(model: ModelCache, checkpoint: Checkpoint, text: Text) -> None:
     report = measure_text(checkpoint, torch.cat([s.text for s in streams]), window,
                           SINK_WINDOWS, SINK_FIRST, SINK_EPS)
     model.put_sinks(text, report.to_json())
+    return report
 
 
 def _zeroshot(model: ModelCache, checkpoint: Checkpoint, tasks: Sequence[str],
@@ -192,11 +214,30 @@ def _measure(model: ModelCache, label: str, todo: Missing, text: Text,
 
         _stream(model, checkpoint, todo.caches, text, done)
     if todo.sinks:
-        _sinks(model, checkpoint, text)
+        sinks = _sinks(model, checkpoint, text)
+        tqdm.write(f"{label}: sinks: Sink_1^{SINK_EPS:g} = {sinks.sink_rate(1):.3f}",
+                   file=sys.stderr)
         bar.update(1)
     if todo.tasks:
         _zeroshot(model, checkpoint, todo.tasks, [specs[t] for t in todo.tasks])
+        tqdm.write(f"{label}: zero-shot: {', '.join(todo.tasks)} scored", file=sys.stderr)
         bar.update(len(todo.tasks))
+
+
+def _check_tokenizer(model: ModelCache) -> None:
+    """Refuse a checkpoint whose tokenizer cannot read the text (another packed tokenizer, a
+    text outside its vocabulary), reading only the tokenizer: every checkpoint is checked
+    before any is evaluated."""
+    settings = model.settings
+    tokenizer = load_tokenizer(model.spec)
+    try:
+        if settings.packed is not None:
+            check_packed_tokenizer(settings.packed, tokenizer)
+        else:
+            encode_streams(read_files(list(settings.texts)), tokenizer, SinkPrefix(()),
+                           settings.max_tokens)
+    except TextSourceError as error:
+        raise CompareError(f"{model.spec}: {error}") from None
 
 
 def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
@@ -220,17 +261,28 @@ def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
     for i, model in enumerate(models):
         if model.identity in [m.identity for m in models[:i]]:
             raise CompareError(f"checkpoint {checkpoints[i]} is given twice")
+    text = text_identity(settings)
+    changed = changed_inputs(out, report_inputs(models, settings, text))
+    if changed and not overwrite:
+        raise CompareError(
+            f"--output {out} holds a report made from other inputs ({', '.join(changed)} "
+            "differ): pass --overwrite to replace it (the cached results there are reused), or "
+            "choose another folder"
+        )
     labels = unique_labels([m.meta["name"] for m in models],
                            [m.meta["source"] for m in models])
     caches = settings.caches or tuple(
         paper_caches(min(m.meta["max_seq_len"] for m in models) // 2)
     )
-    text = text_identity(settings)
 
     missing = [m.missing(caches, text) for m in models]
+    for model, todo in zip(models, missing, strict=True):
+        if todo.count:
+            _check_tokenizer(model)
     total = sum(todo.count for todo in missing)
-    with tqdm(total=total, desc="sinklm compare", unit="result", disable=total == 0,
-              file=sys.stderr) as bar:
+    # A bar on a terminal only (disable=None); a log file gets the plain line of each result.
+    with tqdm(total=total, desc="sinklm compare", unit="result",
+              disable=True if total == 0 else None, file=sys.stderr) as bar:
         for model, label, todo in zip(models, labels, missing, strict=True):
             if todo.count:
                 _measure(model, label, todo, text, specs, bar)

@@ -94,6 +94,39 @@ class Measured:
                 if m.meta["training_sinks"]}
 
 
+def report_inputs(models: Sequence[ModelCache], settings: Settings, text: Text) -> dict[str, Any]:
+    """What a report is made from: the checkpoints (their cache identities, in order), the text
+    and every setting its numbers depend on. report.json records it, so a rerun into the same
+    folder rewrites a report of the same inputs and refuses to replace one of others."""
+    return {
+        "checkpoints": [m.identity for m in models],
+        "text": text,
+        "caches": None if settings.caches is None else [p.label for p in settings.caches],
+        "max_tokens": settings.max_tokens,
+        "dtype": settings.dtype,
+        "tasks": list(settings.tasks),
+        "data_dir": str(settings.data_dir.resolve()) if settings.data_dir else None,
+        "limit": settings.limit,
+        "bootstrap_iters": settings.bootstrap_iters,
+    }
+
+
+def changed_inputs(out: Path, inputs: dict[str, Any]) -> list[str]:
+    """Which of ``inputs`` differ from those of the report already in ``out`` (none there:
+    nothing); a report.json without a record of its inputs (an earlier sinklm) is of others."""
+    path = out / "report.json"
+    if not path.is_file():
+        return []
+    try:
+        earlier = json.loads(path.read_text()).get("inputs")
+    except (json.JSONDecodeError, AttributeError):
+        earlier = None
+    if not isinstance(earlier, dict):
+        earlier = {}
+    fresh = json.loads(json.dumps(inputs))  # as report.json holds them: lists, not tuples
+    return [key for key, value in fresh.items() if earlier.get(key) != value]
+
+
 def text_names(text: Text) -> str:
     """The texts as a reader knows them: file names, or DIR:split."""
     return ", ".join(t["file"] if "file" in t else f"{t['packed']}:{t['split']}" for t in text)
@@ -316,6 +349,7 @@ def report_document(report: Report, measured: Measured) -> dict[str, Any]:
         },
         "results": {"computed": report.computed, "reused": report.reused},
         "files": report.files,
+        "inputs": report_inputs(measured.models, settings, measured.text),
     }
 
 

@@ -1,6 +1,7 @@
 """Streaming-evaluation outputs: results.json, per-token losses (.npz), the Markdown table in
 StreamingLLM's Table 3 layout (a row per model, a column per cache) and the running-perplexity
-plot. Tables read the JSON rows, so a comparison of several runs can reuse them."""
+plot. Tables read the JSON rows, so a comparison of several runs can reuse them. Importing it
+loads no torch: ``sinklm stream-eval`` guards :func:`output_files` before anything slow."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sinklm.cli.outputs import write_atomic
+
 from .plots import figure
-from .streaming import CacheResult
+
+if TYPE_CHECKING:
+    from .streaming import CacheResult
 
 # Points drawn per line of the running-perplexity plot, whatever the stream length.
 PLOT_POINTS = 2000
@@ -60,6 +65,11 @@ def plot_running_ppl(results: Sequence[CacheResult], path: Path, title: str) -> 
         ax.legend(fontsize=8)
 
 
+def output_files(output: Path) -> list[Path]:
+    """What :func:`write_outputs` writes: the JSON, then the .npz and .png beside it."""
+    return [output, output.with_suffix(".npz"), output.with_suffix(".png")]
+
+
 def write_outputs(
     output: Path,
     header: dict[str, Any],
@@ -73,8 +83,7 @@ def write_outputs(
     ``stream_lengths``: the scored tokens of each stream, to split them.
     """
     output.parent.mkdir(parents=True, exist_ok=True)
-    losses_path = output.with_suffix(".npz")
-    plot_path = output.with_suffix(".png")
+    _, losses_path, plot_path = output_files(output)
     arrays = {r.policy.label: r.losses for r in results}
     np.savez(losses_path, stream_lengths=np.asarray(stream_lengths, dtype=np.int64), **arrays)
     plot_running_ppl(results, plot_path, title)
@@ -84,5 +93,5 @@ def write_outputs(
         "losses": str(losses_path),
         "plot": str(plot_path),
     }
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_atomic(output, json.dumps(document, indent=2) + "\n")
     return document

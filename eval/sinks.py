@@ -15,6 +15,7 @@ kernel's probabilities give, per layer and head:
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,15 +261,15 @@ def markdown_summary(report: SinkReport) -> str:
     return "\n".join(lines)
 
 
-def plot_sinks(report: SinkReport, prefix: Path) -> dict[str, str]:
-    """Heatmaps of attention to position 0 (and the implicit sink), the attention maps of the
-    first positions per layer, and each head's share per token class. Returns the paths."""
-    paths = {name: str(prefix.with_name(f"{prefix.name}_{name}.png"))
-             for name in ("first", "maps", "classes")}
-    _plot_first(report, paths["first"])
-    _plot_maps(report, paths["maps"])
-    _plot_classes(report, paths["classes"])
-    return paths
+def plot_sinks(report: SinkReport, paths: Mapping[str, Path]) -> dict[str, str]:
+    """Heatmaps of attention to position 0 (and the implicit sink) into ``paths["first"]``, the
+    attention maps of the first positions per layer (``"maps"``), and each head's share per
+    token class (``"classes"``). The caller names the files: a command guards them before it
+    loads torch. Returns the paths as strings."""
+    _plot_first(report, str(paths["first"]))
+    _plot_maps(report, str(paths["maps"]))
+    _plot_classes(report, str(paths["classes"]))
+    return {name: str(path) for name, path in paths.items()}
 
 
 def _plot_first(report: SinkReport, path: str) -> None:

@@ -79,7 +79,9 @@ def evaluate(
     on_result: Callable[[CacheResult], None] | None = None,
     progress: bool = False,
 ) -> list[CacheResult]:
-    """Every policy on every stream; with ``progress``, a bar per cache on stderr with tokens/s."""
+    """Every policy on every stream; with ``progress``, a bar per cache on stderr with tokens/s
+    when stderr is a terminal (a bar's redraws would run into the lines of a log file, where
+    ``on_result`` gives a line per cache)."""
     from tqdm import tqdm
 
     results = []
@@ -87,7 +89,7 @@ def evaluate(
     for policy in policies:
         start = time.perf_counter()
         with tqdm(total=scored, desc=f"cache {policy.label}", unit="tok", unit_scale=True,
-                  disable=not progress, leave=False, file=sys.stderr) as bar:
+                  disable=None if progress else True, leave=False, file=sys.stderr) as bar:
             parts = [
                 reference_losses(model, s.text, policy, s.sinks, bar.update) if reference
                 else fast_losses(model, s.text, policy, s.sinks, chunk_size, bar.update)

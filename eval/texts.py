@@ -4,6 +4,12 @@ A document is tokenized as one string without special tokens (as StreamingLLM do
 book); its stream carries the model's sink prefix, which the evaluator puts in front. Local
 files and Hub datasets take the same path after loading, so a test on a local book exercises
 what a PG19 run does.
+
+A text the model's tokenizer cannot represent is refused before evaluation: more than
+``MAX_UNKNOWN_SHARE`` of its tokens the tokenizer's unknown token (a natural-language book
+through the sink lab's symbol vocabulary is all unknown), or a tokenizer that fails on it.
+Perplexities of such a stream would measure nothing. torch loads only when streams are built,
+so commands check their sources at once.
 """
 
 from __future__ import annotations
@@ -11,18 +17,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
-from torch import Tensor
 
 from sinklm.cli.main import UserError
 from sinklm.data.errors import DataError
 from sinklm.data.packing import SPLITS, read_meta, read_split
-from sinklm.data.sinks import SinkPrefix
 from sinklm.data.tokenizer import tokenizer_hash
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from sinklm.data.sinks import SinkPrefix
+
+# The share of a text's tokens that may be the tokenizer's unknown token: a few symbols outside
+# the vocabulary are harmless, a text in another vocabulary is refused.
+MAX_UNKNOWN_SHARE = 0.01
+# What to do instead, in every refusal of a text the tokenizer cannot represent.
+OTHER_TEXT_HINT = ("evaluate on data packed with the model's tokenizer (--packed DIR) or on "
+                   "another text")
 
 
 class TextSourceError(UserError, ValueError):
@@ -56,8 +71,11 @@ def split_dataset_spec(spec: str) -> tuple[str, str]:
 
 
 def check_files(paths: list[str | Path]) -> None:
-    """Fail on a missing file before anything slow (loading a model) happens."""
+    """Fail on a missing file or a folder before anything slow (loading a model) happens."""
     for path in paths:
+        if Path(path).expanduser().is_dir():
+            raise TextSourceError(f"text file {path} is a folder: name each file (one stream "
+                                  "per file), e.g. --text DIR/a.txt --text DIR/b.txt")
         if not Path(path).expanduser().is_file():
             raise TextSourceError(f"text file {path} does not exist")
 
@@ -100,18 +118,60 @@ def encode_streams(
 ) -> list[Stream]:
     """Streams of the documents, stopping once ``max_tokens`` text tokens are taken in all.
 
-    Documents with fewer than two tokens are skipped: they have no scored target.
+    Documents with fewer than two tokens are skipped: they have no scored target. Refused when
+    the tokenizer cannot represent the text (see the module's docstring).
     """
-    encoded = (
-        (name, tokenizer.encode(text, add_special_tokens=False).ids) for name, text in documents
-    )
-    return _streams(encoded, sinks, max_tokens)
+    streams = _streams(((name, _encode(tokenizer, name, text)) for name, text in documents),
+                       sinks, max_tokens)
+    check_coverage(streams, tokenizer)
+    return streams
+
+
+def _encode(tokenizer: Tokenizer, name: str, text: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    except Exception as error:  # tokenizers raises plain Exception (a WordLevel without unk)
+        raise TextSourceError(f"{name}: the model's tokenizer cannot encode this text "
+                              f"({error}): {OTHER_TEXT_HINT}") from None
+
+
+def unknown_id(tokenizer: Tokenizer) -> int | None:
+    """The id of the tokenizer model's unknown token, or None (byte-level BPE has none)."""
+    token = getattr(tokenizer.model, "unk_token", None)
+    return None if token is None else tokenizer.token_to_id(token)
+
+
+def check_coverage(streams: Sequence[Stream], tokenizer: Tokenizer) -> None:
+    """Refuse streams more than ``MAX_UNKNOWN_SHARE`` of whose tokens are the unknown id."""
+    unk = unknown_id(tokenizer)
+    if unk is None:
+        return
+    total = sum(s.text_tokens for s in streams)
+    unknown = sum(int((s.text == unk).sum()) for s in streams)
+    if unknown > MAX_UNKNOWN_SHARE * total:
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        raise TextSourceError(
+            f"{_shown(s.name for s in streams)}: {unknown / total:.1%} of its {total:,} tokens "
+            f"are the unknown token {tokenizer.id_to_token(unk)!r} of the model's tokenizer "
+            f"({vocab:,} ids), more than the {MAX_UNKNOWN_SHARE:.0%} allowed: the text is not "
+            f"in that vocabulary; {OTHER_TEXT_HINT}"
+        )
+
+
+def _shown(names: Iterable[str], most: int = 3) -> str:
+    """A few names, for a one-line message."""
+    names = list(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
+                                      else "")
 
 
 def _streams(
     documents: Iterable[tuple[str, Sequence[int]]], sinks: SinkPrefix, max_tokens: int | None
 ) -> list[Stream]:
+    import torch
+
     streams: list[Stream] = []
+    short: list[str] = []
     budget = max_tokens
     for name, ids in documents:
         if budget is not None and budget <= 0:
@@ -120,10 +180,13 @@ def _streams(
             ids = ids[:budget]
             budget -= len(ids)
         if len(ids) < 2:
+            short.append(f"{name} ({len(ids)} token{'' if len(ids) == 1 else 's'})")
             continue
         streams.append(Stream(name, torch.as_tensor(np.asarray(ids), dtype=torch.long), sinks))
     if not streams:
-        raise TextSourceError("no document with at least two tokens to evaluate")
+        raise TextSourceError(
+            f"no document with at least two tokens to evaluate: {_shown(short) or 'none given'}"
+        )
     return streams
 
 
@@ -150,17 +213,23 @@ def check_packed(spec: str) -> dict[str, Any]:
     return meta
 
 
-def packed_streams(
-    spec: str, tokenizer: Tokenizer, sinks: SinkPrefix, max_tokens: int | None = None
-) -> list[Stream]:
-    """Streams of the documents of a packed split (the ids as packed, split at end-of-document),
-    for a model whose tokenizer is the one the folder was packed with."""
+def check_packed_tokenizer(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The meta.json of ``--packed spec``, refused unless packed with ``tokenizer``."""
     meta = check_packed(spec)
     if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
         raise TextSourceError(
             f"--packed {spec} was packed with another tokenizer ({meta['tokenizer']}) than the "
             "model's: evaluate on text (--text) or on data packed with the model's tokenizer"
         )
+    return meta
+
+
+def packed_streams(
+    spec: str, tokenizer: Tokenizer, sinks: SinkPrefix, max_tokens: int | None = None
+) -> list[Stream]:
+    """Streams of the documents of a packed split (the ids as packed, split at end-of-document),
+    for a model whose tokenizer is the one the folder was packed with."""
+    meta = check_packed_tokenizer(spec, tokenizer)
     folder, split = split_packed_spec(spec)
     # A document needs at most max_tokens + its end-of-document id; read no more than that.
     reach = None if max_tokens is None else max_tokens + meta["splits"][split]["documents"]

@@ -29,6 +29,7 @@ from sinklm.cli.main import UserError
 from sinklm.cli.options import DTYPE_NAMES
 from sinklm.models import CausalLM, ConfigError
 from sinklm.models.checkpoint import (
+    TOKENIZER_KEY,
     CheckpointFormatError,
     load_trained,
     probe_history,
@@ -101,10 +102,7 @@ def locate(spec: str | Path, missing: str = "folder") -> Location:
     local = Path(text).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise CheckpointError(
-                f"{local} has no config.json: expected a transformers GPTNeoX folder "
-                "(save_pretrained output)"
-            )
+            raise CheckpointError(f"{local} has no config.json: {_folder_hint(local)}")
         return Location("folder", str(local))
     if local.is_file() and local.suffix == ".ckpt":
         return Location("ckpt", str(local))
@@ -116,6 +114,18 @@ def locate(spec: str | Path, missing: str = "folder") -> Location:
     if HUB_ID.fullmatch(text):
         return Location("hub", text)
     raise CheckpointError(f"{text}: no such {missing}, and not a Hub id like org/name")
+
+
+def _folder_hint(folder: Path) -> str:
+    """What a folder without config.json holds: a run's checkpoints (name one), or nothing
+    loadable."""
+    found = sorted(folder.glob("*.ckpt")) or sorted(folder.glob("checkpoints/*.ckpt"))
+    if not found:
+        return "expected a transformers GPTNeoX folder (save_pretrained output)"
+    last = [path for path in found if path.name == "last.ckpt"]
+    pick = last[0] if last else max(found, key=lambda path: path.stat().st_mtime)
+    return (f"it holds `sinklm fit` checkpoints ({len(found)}); pass one of them, "
+            f"e.g. {pick}")
 
 
 def load_checkpoint(
@@ -136,17 +146,40 @@ def load_checkpoint(
     else:
         model, sink_ids, name = _load_transformers(where)
     source = where.name if where.kind == "hub" else str(where.path.resolve())
-    if tokenizer is not None:
-        tok = _tokenizer_file(Path(tokenizer).expanduser())
-    elif stored_tokenizer is not None:
-        tok = stored_tokenizer
-    elif where.kind == "folder":
-        tok = _tokenizer_file(where.path / "tokenizer.json")
-    else:
-        tok = _hub_tokenizer(where.name)
+    tok = _tokenizer(where, tokenizer, stored_tokenizer)
     check_tokenizer(model, tok, sink_ids)
     model = model.to(device=device, dtype=dtype).eval()
     return Checkpoint(model, tok, sink_ids, name, source, training_sinks)
+
+
+def load_tokenizer(path: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
+    """The tokenizer :func:`load_checkpoint` gives ``path``, without building the model: a
+    comparison checks every checkpoint's tokenizer against its text before evaluating any."""
+    where = locate(path)
+    stored = None
+    if where.kind == "ckpt" and tokenizer is None:
+        try:
+            stored_text = read_checkpoint(where.path).get(TOKENIZER_KEY)
+        except CheckpointFormatError as error:
+            raise CheckpointError(str(error)) from error
+        if stored_text is None:
+            raise CheckpointError(f"{where.path} was not written by `sinklm fit` (no tokenizer "
+                                  "in it)")
+        stored = Tokenizer.from_str(stored_text)
+    return _tokenizer(where, tokenizer, stored)
+
+
+def _tokenizer(where: Location, override: str | Path | None,
+               stored: Tokenizer | None) -> Tokenizer:
+    """``override`` (a tokenizer.json), else the one a .ckpt stores, a folder's tokenizer.json
+    or the Hub repo's."""
+    if override is not None:
+        return _tokenizer_file(Path(override).expanduser())
+    if stored is not None:
+        return stored
+    if where.kind == "folder":
+        return _tokenizer_file(where.path / "tokenizer.json")
+    return _hub_tokenizer(where.name)
 
 
 def _load_lightning(

@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from sinklm.cli.main import main as sinklm_main
+from sinklm.data import PrepareConfig, prepare_data
 from sinklm.data.tokenizer import sink_token_ids
 from sinklm.eval import compare as compare_module
 from sinklm.eval.compare import unique_labels
@@ -128,13 +131,18 @@ def test_report_holds_what_the_single_model_commands_measure(
 
 def test_reruns_reuse_the_cache_until_a_checkpoint_changes(
     compare_models: list[Path], data_shared: Path, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     book = data_shared / "books" / "frankenstein_shelley_pg84.txt"
     out = tmp_path / "report"
     args = compare_args(compare_models, book, out)
     assert sinklm_main(args) == 0
     first = json.loads((out / "report.json").read_text())
+    # Not a terminal: a plain line per result, no progress bar redrawn with carriage returns.
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert "tiny-vanilla: cache 0+16: ppl " in err
+    assert "tiny-sink_token: sinks: Sink_1^0.3 = " in err
 
     loaded: list[str] = []
     evaluated: list[list[str]] = []
@@ -158,13 +166,89 @@ def test_reruns_reuse_the_cache_until_a_checkpoint_changes(
         {"computed": 10, "reused": 0}, {"computed": 0, "reused": 10})
 
     # One more cache and a retrained checkpoint (new weights file time): the new cache is
-    # computed for each model, everything only for the retrained one.
+    # computed for each model, everything only for the retrained one. Those are other inputs,
+    # so the report they make replaces the first only with --overwrite.
     weights = compare_models[1] / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert sinklm_main(compare_args(compare_models, book, out, "--cache", CACHES + ",2+14")) == 0
+    more = compare_args(compare_models, book, out, "--cache", CACHES + ",2+14")
+    capsys.readouterr()
+    assert sinklm_main(more) == 2
+    assert capsys.readouterr().err == (
+        f"sinklm compare: --output {out.resolve()} holds a report made from other inputs "
+        "(checkpoints, caches differ): pass --overwrite to replace it (the cached results there "
+        "are reused), or choose another folder\n")
+    assert json.loads((out / "report.json").read_text()) == second
+    assert loaded == [] and evaluated == []
+    assert sinklm_main([*more, "--overwrite"]) == 0
     assert set(loaded) == {"sink_token", "vanilla"}
     assert evaluated == [["2+14"], [*CACHES.split(","), "2+14"]]
+    assert json.loads((out / "report.json").read_text())["streaming"]["caches"][-1] == "2+14"
+
+
+def test_a_report_of_other_inputs_is_kept_without_overwrite(
+    compare_models: list[Path], data_shared: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    book = data_shared / "books" / "frankenstein_shelley_pg84.txt"
+    out = tmp_path / "report"
+    assert sinklm_main(compare_args(compare_models, book, out, "--cache", "4+12")) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    for other in (compare_args(compare_models[:1], book, out, "--cache", "4+12"),
+                  [*compare_args(compare_models, book, out, "--cache", "4+12"),
+                   "--max-tokens", "300"]):
+        assert sinklm_main(other) == 2
+        err = capsys.readouterr().err
+        assert "holds a report made from other inputs" in err and "--overwrite" in err
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert "max_tokens differ" in err
+    # The same inputs again: the report is rewritten from the cache, no --overwrite needed.
+    assert sinklm_main(compare_args(compare_models, book, out, "--cache", "4+12")) == 0
+    assert json.loads((out / "report.json").read_text())["results"]["reused"] == 4
+
+
+@pytest.fixture(scope="module")
+def compare_lab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of the sink lab's kind: a word-level symbol vocabulary with an unknown token."""
+    vocab = {"<|endoftext|>": 0, "<|unk|>": 1, **{f"sym{i}": i + 2 for i in range(60)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<|unk|>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    torch.manual_seed(2)
+    model = CausalLM(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=16,
+                                 max_seq_len=64)).eval()
+    checkpoint = Checkpoint(model, tokenizer, [], "tiny-lab", "memory")
+    return export_model(checkpoint, tmp_path_factory.mktemp("lab") / "lab")
+
+
+def test_every_tokenizer_is_checked_against_the_text_before_any_evaluation(
+    compare_models: list[Path], compare_lab_model: Path, data_shared: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The first model fits the text, the second cannot read it: nothing is evaluated."""
+    book = data_shared / "books" / "frankenstein_shelley_pg84.txt"
+    packed = tmp_path / "packed"
+    prepare_data(PrepareConfig.from_dict({
+        "source": {"path": str(book)}, "output": str(packed),
+        "tokenizer": str(compare_models[0] / "tokenizer.json"), "max_tokens": 2000}))
+    evaluated: list[str] = []
+    monkeypatch.setattr(compare_module, "evaluate",
+                        lambda model, *args, **kwargs: evaluated.append("evaluated"))
+    models = [str(compare_models[0]), str(compare_lab_model)]
+    common = ["--max-tokens", TOKENS, "--cache", "4+12"]
+    capsys.readouterr()
+    assert sinklm_main(["compare", *models, "--packed", f"{packed}:train", *common,
+                        "--output", str(tmp_path / "packed_report")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sinklm compare: {compare_lab_model}: --packed {packed}:train was "
+                          "packed with another tokenizer")
+    assert sinklm_main(["compare", *models, "--text", str(book), *common,
+                        "--output", str(tmp_path / "text_report")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sinklm compare: {compare_lab_model}: frankenstein_shelley_pg84.txt: "
+                          "100.0% of its 400 tokens are the unknown token '<|unk|>'")
+    assert "(--packed DIR) or on another text" in err
+    assert evaluated == []
 
 def test_bad_input_is_refused_before_any_work(
     compare_models: list[Path], data_shared: Path, tmp_path: Path,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -81,3 +86,26 @@ def test_max_position() -> None:
     assert StartRecent(4, 1020).max_position(100) == 99
     assert Dense().max_position(100) == 99
     assert Recompute(64).max_position(1000) == 63
+
+
+@pytest.mark.parametrize("command", ["stream-eval", "sinks", "compare"])
+def test_value_errors_answer_before_torch_loads(tmp_path: Path, command: str) -> None:
+    """Importing torch takes seconds: a typo in --cache (or a text that is a folder) is
+    refused without it. A fresh interpreter, since this one has imported torch."""
+    argv = {
+        "stream-eval": ["stream-eval", "--checkpoint", "x", "--text", str(tmp_path),
+                        "--cache", "4-4"],
+        "sinks": ["sinks", "--checkpoint", "x", "--text", str(tmp_path)],
+        "compare": ["compare", "x", "--text", str(tmp_path), "--cache", "4-4",
+                    "--output", str(tmp_path / "report")],
+    }[command]
+    code = ("import contextlib, io, json, sys\nfrom sinklm.cli.main import main\n"
+            "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+            f"    status = main({argv!r})\n"
+            "print(json.dumps([status, err.getvalue(), 'torch' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=tmp_path)
+    status, err, torch_loaded = json.loads(done.stdout.splitlines()[-1])
+    assert status == 2 and err.startswith(f"sinklm {command}: ")
+    assert ("cache '4-4'" if command != "sinks" else "is a folder") in err
+    assert not torch_loaded

@@ -3,9 +3,11 @@ local transformers GPTNeoX folders with the real GPT-NeoX tokenizer and a real b
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +17,19 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import save_file  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+from tokenizers.models import WordLevel  # noqa: E402
+from tokenizers.pre_tokenizers import WhitespaceSplit  # noqa: E402
 
 from sinklm.cli.main import main  # noqa: E402
 from sinklm.data.sinks import SinkPrefix  # noqa: E402
-from sinklm.eval.texts import encode_streams, split_dataset_spec  # noqa: E402
+from sinklm.eval.texts import (  # noqa: E402
+    Stream,
+    TextSourceError,
+    encode_streams,
+    read_files,
+    split_dataset_spec,
+)
 from sinklm.models import CausalLM, ModelConfig  # noqa: E402
 from sinklm.models.convert import hf_config_from  # noqa: E402
 from sinklm.models.load import CheckpointError, load_checkpoint  # noqa: E402
@@ -335,3 +346,121 @@ def test_chunk_size_help_states_the_evaluators_default(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         main(["stream-eval", "--help"])
     assert f"(default {DEFAULT_CHUNK})" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("command", "beside"), [("stream-eval", "result.npz"),
+                                                 ("stream-eval", "result.png"),
+                                                 ("sinks", "result_maps.png")])
+def test_a_result_beside_the_output_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, beside: str
+) -> None:
+    """The losses and plots are results too: a JSON that is missing does not free them."""
+    text = tmp_path / "book.txt"
+    text.write_text("It was a dark and stormy night.\n")
+    (tmp_path / beside).write_bytes(b"kept")
+    output = tmp_path / "result.json"
+    argv = [command, "--checkpoint", tmp_path / "absent", "--text", text, "--output", output]
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err == (f"sinklm {command}: {tmp_path / beside} (written beside --output {output}) "
+                   "exists: pass --overwrite to replace it\n")
+    assert (tmp_path / beside).read_bytes() == b"kept" and not output.exists()
+
+
+def test_a_text_folder_is_named_as_such(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "stream-eval", "--checkpoint", tmp_path / "absent",
+                           "--text", tmp_path, "--output", tmp_path / "r.json")
+    assert code == 2
+    assert err.startswith(f"sinklm stream-eval: text file {tmp_path} is a folder: name each "
+                          "file")
+
+
+# --- a text the model's tokenizer cannot represent ----------------------------------------------
+
+
+def symbol_tokenizer(unk: str | None = "<|unk|>") -> Tokenizer:
+    """A sink-lab-like vocabulary: end-of-document, unknown, then words sym0..sym59."""
+    vocab = {"<|endoftext|>": 0, **({unk: 1} if unk else {}),
+             **{f"sym{i}": i + 2 for i in range(60)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=unk) if unk else WordLevel(vocab))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    return tokenizer
+
+
+def test_a_few_unknown_tokens_pass_and_more_are_refused(tmp_path: Path) -> None:
+    tokenizer = symbol_tokenizer()
+    known = " ".join(f"sym{i % 60}" for i in range(200))
+    (tmp_path / "one_percent.txt").write_text(known + " the cat")  # 2 of 202 unknown
+    streams = encode_streams(read_files([tmp_path / "one_percent.txt"]), tokenizer,
+                             SinkPrefix([]))
+    assert streams[0].text_tokens == 202 and int((streams[0].text == 1).sum()) == 2
+    (tmp_path / "more.txt").write_text(known + " the cat sat")  # 3 of 203: 1.5%
+    with pytest.raises(TextSourceError) as error:
+        encode_streams(read_files([tmp_path / "more.txt"]), tokenizer, SinkPrefix([]))
+    assert str(error.value) == (
+        "more.txt: 1.5% of its 203 tokens are the unknown token '<|unk|>' of the model's "
+        "tokenizer (62 ids), more than the 1% allowed: the text is not in that vocabulary; "
+        "evaluate on data packed with the model's tokenizer (--packed DIR) or on another text")
+
+
+def test_a_tokenizer_that_fails_on_the_text_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "book.txt").write_text("sym1 sym2 the cat")
+    with pytest.raises(TextSourceError, match=r"book\.txt: the model's tokenizer cannot encode "
+                       r"this text \(.*\): evaluate on data packed"):
+        encode_streams(read_files([tmp_path / "book.txt"]), symbol_tokenizer(None),
+                       SinkPrefix([]))
+
+
+def test_no_document_to_evaluate_names_the_files(tmp_path: Path) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "one.txt").write_text("sym1")
+    with pytest.raises(TextSourceError) as error:
+        encode_streams(read_files([tmp_path / "empty.txt", tmp_path / "one.txt"]),
+                       symbol_tokenizer(), SinkPrefix([]))
+    assert str(error.value) == ("no document with at least two tokens to evaluate: "
+                                "empty.txt (0 tokens), one.txt (1 token)")
+
+
+def test_stream_eval_refuses_a_text_outside_the_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sink-lab model on an English book: every token is unknown, so no perplexity."""
+    folder = hf_folder(tmp_path / "lab", vocab_size=64, tokenizer=False)
+    symbol_tokenizer().save(str(folder / "tokenizer.json"))
+    capsys.readouterr()  # save_pretrained's own progress
+    book = tmp_path / "book.txt"
+    book.write_text("It was a dark and stormy night; the rain fell in torrents.\n" * 10)
+    output = tmp_path / "r.json"
+    code, out, err = run_cli(capsys, "stream-eval", "--checkpoint", folder, "--text", book,
+                             "--cache", "1+7", "--output", output)
+    assert (code, out) == (2, "")
+    assert err.startswith("sinklm stream-eval: book.txt: 100.0% of its 120 tokens are the "
+                          "unknown token '<|unk|>' of the model's tokenizer (62 ids)")
+    assert "(--packed DIR) or on another text" in err and err.count("\n") == 1
+    assert list(tmp_path.glob("r.*")) == []
+
+
+# --- progress ------------------------------------------------------------------------------------
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stderr", [io.StringIO, Terminal])
+def test_progress_bars_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch,
+                                          stderr: type[io.StringIO]) -> None:
+    """A bar's redraws would run into the lines of a log file (`make demo > log`)."""
+    from sinklm.eval.cache import Dense
+    from sinklm.eval.streaming import evaluate
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=16,
+                                 max_seq_len=32)).eval()
+    streams = [Stream("s", torch.randint(0, 64, (20,)), SinkPrefix([]))]
+    monkeypatch.setattr(sys, "stderr", stderr())
+    evaluate(model, streams, [Dense()], progress=True)
+    written = sys.stderr.getvalue()
+    assert ("cache dense" in written) == (stderr is Terminal), repr(written)

@@ -124,9 +124,10 @@ def test_report_json_summary_and_plots(tmp_path: Path) -> None:
     assert len(document["token_classes"]["dominant"][0]) == 2  # heads
     summary = markdown_summary(report)
     assert "Sink_1^0.3" in summary and "| 1 |" in summary
-    paths = plot_sinks(report, tmp_path / "sinks")
-    assert sorted(paths) == ["classes", "first", "maps"]
-    assert all(Path(p).stat().st_size > 0 for p in paths.values())
+    files = {name: tmp_path / f"sinks_{name}.png" for name in ("first", "maps", "classes")}
+    paths = plot_sinks(report, files)
+    assert paths == {name: str(path) for name, path in files.items()}
+    assert all(path.stat().st_size > 0 for path in files.values())
 
 
 @pytest.mark.parametrize("softmax", ["softmax", "softmax1"])

@@ -42,3 +42,41 @@ def test_locate_says_why_a_string_is_no_checkpoint(tmp_path: Path) -> None:
         locate(missing)
     with pytest.raises(CheckpointError, match="b: no such file or folder, and not a Hub id"):
         locate(missing, missing="file or folder")
+
+
+def test_a_folder_of_checkpoints_points_at_one(tmp_path: Path) -> None:
+    """``--checkpoint runs/x/checkpoints`` (or ``runs/x``): name the file to pass instead."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("step=100.ckpt", "last.ckpt"):
+        (checkpoints / name).write_bytes(b"")
+    for folder in (checkpoints, checkpoints.parent):
+        with pytest.raises(CheckpointError) as error:
+            locate(folder)
+        assert str(error.value) == (
+            f"{folder} has no config.json: it holds `sinklm fit` checkpoints (2); pass one of "
+            f"them, e.g. {checkpoints / 'last.ckpt'}")
+
+
+def test_load_tokenizer_reads_only_the_tokenizer(tmp_path: Path) -> None:
+    """What compare checks against its text before evaluating any checkpoint."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from sinklm.models.checkpoint import CHECKPOINT_KEY, TOKENIZER_KEY
+    from sinklm.models.load import load_tokenizer
+
+    tokenizer = Tokenizer(WordLevel({"<|endoftext|>": 0, "<|unk|>": 1, "a": 2},
+                                    unk_token="<|unk|>"))
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({CHECKPOINT_KEY: {"not": "a model"}, TOKENIZER_KEY: tokenizer.to_str()}, ckpt)
+    assert load_tokenizer(ckpt).to_str() == tokenizer.to_str()
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    assert load_tokenizer(folder).get_vocab() == tokenizer.get_vocab()
+    torch.save({CHECKPOINT_KEY: {}}, ckpt)
+    with pytest.raises(CheckpointError, match=r"not written by `sinklm fit` \(no tokenizer"):
+        load_tokenizer(ckpt)
