@@ -127,6 +127,9 @@ def run_zeroshot(args: argparse.Namespace) -> int:
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks:
         raise UserError("--tasks is empty: name at least one lm-eval task")
+    from sinklm.eval.zeroshot_tasks import check_tasks
+
+    check_tasks(tasks, args.data_dir)  # before torch and lm-eval load
     from lm_eval.utils import make_table
 
     from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize

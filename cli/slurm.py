@@ -1,7 +1,9 @@
 """``sinklm slurm-submit``: a training config as a SLURM job, printed (``--dry-run``) or submitted.
 
 ``train/slurm.py`` renders the job and submits it; this module reads the flags and refuses,
-before anything is submitted, what the job could not run.
+before anything is rendered or submitted, what the job could not run: the config and the
+``sinklm fit`` arguments after ``--`` get every check ``sinklm fit`` makes before it builds
+anything (a typo would otherwise fail the job only after it waited in the queue).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from sinklm.cli.main import UserError
+from sinklm.train.fit import check_fit_arguments
 from sinklm.train.slurm import render, submit
 
 
@@ -40,12 +44,34 @@ def define_slurm_submit(parser: argparse.ArgumentParser) -> None:
         help="after --: extra `sinklm fit` arguments, e.g. -- --trainer.max_steps=10",
     )
     parser.set_defaults(func=run_slurm_submit)
+    _point_fit_arguments_after_dashes(parser)
+
+
+def _point_fit_arguments_after_dashes(parser: argparse.ArgumentParser) -> None:
+    """Refuse options this command does not know saying that ``sinklm fit``'s go after ``--``.
+
+    argparse hands a command's unknown options to the top-level parser, whose error ("sinklm:
+    error: unrecognized arguments") no command can add to, so they are caught here, where the
+    command's parser returns them.
+    """
+    parse_known_args = parser.parse_known_args
+
+    def with_hint(args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list]:
+        namespace, extras = parse_known_args(args, namespace)
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}; `sinklm fit` arguments "
+                         f"go after --, e.g. sinklm slurm-submit --config FILE ... -- "
+                         f"{' '.join(extras)}")
+        return namespace, extras
+
+    parser.parse_known_args = with_hint  # type: ignore[method-assign]
 
 
 def run_slurm_submit(args: argparse.Namespace) -> int:
     if not args.config.is_file():
         raise UserError(f"config {args.config} does not exist")
     fit_args = [a for a in args.fit_args if a != "--"]
+    check_fit_arguments(["--config", str(args.config), *fit_args])
     try:
         job = render(
             args.config, args.nodes, args.gpus_per_node, partition=args.partition,

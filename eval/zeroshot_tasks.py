@@ -24,9 +24,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
+import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from sinklm.cli.main import UserError
 
@@ -62,6 +67,66 @@ def local_tasks() -> list[str]:
     return sorted(path.stem for path in LOCAL_TASKS_DIR.glob("*.yaml"))
 
 
+# A top-level task, group, tag or include line of a task YAML (the key may be quoted), and
+# the "- item" lines of a block list after it.
+_NAME_ENTRY = re.compile(
+    r"""^(["']?)(task|group|tag|include)\1[ \t]*:([^\n]*)((?:\n[ \t]*-[^\n]*)*)""", re.M
+)
+
+
+def _scalar(text: str) -> str:
+    return text.split(" #")[0].strip().strip("'\"")
+
+
+def _entry_values(inline: str, block: str) -> list[str]:
+    """The names one entry gives: ``key: a``, ``key: [a, b]`` or a block list. Items that are
+    mappings (a group's inline task definitions) are skipped."""
+    inline = inline.split(" #")[0].strip()
+    if inline.startswith("["):
+        items = inline.strip("[]").split(",")
+    elif inline:
+        items = [inline]
+    else:
+        items = [line.split("-", 1)[1] for line in block.splitlines() if line.strip()]
+    return [name for name in map(_scalar, items) if name and ": " not in name]
+
+
+@functools.cache
+def _yaml_names(path: str) -> dict[str, list[str]]:
+    """A task YAML's task, group and tag names, those of its includes where it sets none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            text = file.read()
+    except OSError:
+        return {}
+    own = {key: _entry_values(inline, block)
+           for _, key, inline, block in _NAME_ENTRY.findall(text)}
+    names: dict[str, list[str]] = {}
+    for include in own.pop("include", []):
+        names |= _yaml_names(os.path.normpath(os.path.join(os.path.dirname(path), include)))
+    return names | own
+
+
+@functools.cache
+def lm_eval_task_names() -> frozenset[str]:
+    """Every task, group and tag name lm-eval's own task YAMLs define, read as text without
+    importing lm-eval: 0.5 s where its TaskManager takes ~10 s. A superset of the manager's
+    names (a test checks it), so a name missing here is surely unknown to lm-eval."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    names: set[str] = set()
+    root = os.path.join(next(iter(spec.submodule_search_locations)), "tasks")
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders
+                         if name not in ("__pycache__", ".ipynb_checkpoints")]
+        for file in files:
+            if file.endswith(".yaml"):
+                found = _yaml_names(os.path.join(folder, file))
+                names.update(*(found.get(key, ()) for key in ("task", "group", "tag")))
+    return frozenset(names)
+
+
 def check_task_names(names: Sequence[str], known: Iterable[str]) -> None:
     """Refuse names lm-eval does not know, listing the closest ones it does."""
     known = list(known)
@@ -72,25 +137,50 @@ def check_task_names(names: Sequence[str], known: Iterable[str]) -> None:
             raise ZeroshotError(f"lm-eval has no task {name!r}{hint}")
 
 
+def check_tasks(names: Sequence[str], data_dir: str | Path | None = None) -> None:
+    """Refuse, without importing torch or lm-eval, task names lm-eval does not define, and with
+    ``data_dir`` tasks without a local definition or without their files there."""
+    check_task_names(names, sorted(lm_eval_task_names()))
+    if data_dir is None:
+        return
+    for name in names:
+        local_files(name, data_dir)
+
+
 def task_specs(names: Sequence[str], data_dir: str | Path | None = None) -> list[str | dict]:
     """What ``lm_eval.simple_evaluate(tasks=...)`` takes: stock names, or local configs."""
+    check_tasks(names, data_dir)
     manager = task_manager()
-    check_task_names(names, manager.all_tasks)
+    check_task_names(names, manager.all_tasks)  # lm-eval's own word, for what text misread
     if data_dir is None:
         return list(names)
+    return [local_task_config(name, manager, data_dir) for name in names]
+
+
+class _OverlayLoader(yaml.SafeLoader):
+    """Reads an overlay's ``!function`` references as their text: lm-eval resolves them."""
+
+
+_OverlayLoader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def local_files(name: str, data_dir: str | Path) -> dict[str, dict[str, list[str]]]:
+    """The files task ``name`` reads from ``data_dir``, by dataset_kwargs key and split."""
     folder = Path(data_dir).expanduser()
     if not folder.is_dir():
         raise ZeroshotError(f"--data-dir {folder}: no such folder")
-    missing = [name for name in names if name not in local_tasks()]
-    if missing:
+    if name not in local_tasks():
         raise ZeroshotError(
-            f"no local definition for {missing}: tasks that run from --data-dir are "
+            f"no local definition for {name!r}: tasks that run from --data-dir are "
             f"{local_tasks()} (drop --data-dir to use the Hub datasets)"
         )
-    return [local_task_config(name, manager, folder) for name in names]
+    overlay = (LOCAL_TASKS_DIR / f"{name}.yaml").read_text()
+    kwargs = yaml.load(overlay, Loader=_OverlayLoader)["dataset_kwargs"]
+    return {key: {split: _glob(folder, pattern, name) for split, pattern in kwargs[key].items()}
+            for key in FILE_KEYS if key in kwargs}
 
 
-def local_task_config(name: str, manager: TaskManager, data_dir: Path) -> dict[str, Any]:
+def local_task_config(name: str, manager: TaskManager, data_dir: str | Path) -> dict[str, Any]:
     """lm-eval's config of ``name`` with its data read from ``data_dir`` (see module doc)."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -98,13 +188,7 @@ def local_task_config(name: str, manager: TaskManager, data_dir: Path) -> dict[s
     if stock_path is None:
         raise ZeroshotError(f"lm-eval's {name!r} has no YAML definition to run from local files")
     config = load_yaml(stock_path) | load_yaml(LOCAL_TASKS_DIR / f"{name}.yaml")
-    kwargs = dict(config["dataset_kwargs"])
-    for key in FILE_KEYS:
-        if key in kwargs:
-            kwargs[key] = {
-                split: _glob(data_dir, pattern, name) for split, pattern in kwargs[key].items()
-            }
-    config["dataset_kwargs"] = kwargs
+    config["dataset_kwargs"] = {**config["dataset_kwargs"], **local_files(name, data_dir)}
     return config
 
 

@@ -14,14 +14,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sinklm.models import compat
-from sinklm.train.callbacks import SinkProbe, StepCheckpoint, StepProgressBar, Throughput
+from sinklm.train.callbacks import (
+    SinkProbe,
+    StepCheckpoint,
+    StepLines,
+    StepProgressBar,
+    Throughput,
+)
 from sinklm.train.data_module import SinkLMDataModule
-from sinklm.train.fit import SinkLMCLI
+from sinklm.train.fit_cli import SinkLMCLI
 from sinklm.train.module import SinkLMModule
 from sinklm.train.parallel import FullyShardedStrategy
 
 # sinklm's subclasses of upstream classes, whose private overrides must be listed.
-SUBCLASSES = (SinkLMCLI, StepCheckpoint, StepProgressBar, Throughput, SinkProbe,
+SUBCLASSES = (SinkLMCLI, StepCheckpoint, StepProgressBar, StepLines, Throughput, SinkProbe,
               FullyShardedStrategy, SinkLMModule, SinkLMDataModule)
 
 

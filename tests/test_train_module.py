@@ -18,7 +18,7 @@ from sinklm.models.checkpoint import load_trained, read_checkpoint
 from sinklm.models.config import ConfigError
 from sinklm.train.callbacks import StepCheckpoint
 from sinklm.train.data_module import SinkLMDataModule
-from sinklm.train.fit import check_strategy
+from sinklm.train.fit_cli import check_strategy
 from sinklm.train.module import (
     NonFiniteLossError,
     OptimizerConfig,

@@ -230,3 +230,33 @@ def test_sinklm_fit_reads_the_derived_batch(capsys: pytest.CaptureFixture[str]) 
     assert (trainer["num_nodes"], str(trainer["devices"])) == (2, "8")  # devices: int | str
     assert trainer["accumulate_grad_batches"] == 1
     assert (data["micro_batch_size"], data["global_batch_size"]) == (16, 256)
+
+
+@pytest.mark.parametrize(("fit_args", "message"), [
+    (["--trainer.max_step=10"],
+     "trainer.max_step: no such setting; did you mean trainer.max_steps?"),
+    (["--model.variant", "sinktoken"], "no such variant; did you mean sink_token?"),
+    (["--trainer.max_steps=ten"], "trainer.max_steps: Expected a <class 'int'>"),  # LightningCLI's
+])
+def test_fit_arguments_are_checked_before_anything_is_rendered(
+    fit_args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `sinklm fit` checks them: a typo would fail the job only after it waited in the queue."""
+    code = sinklm_main(["slurm-submit", "--config", str(PAPER), "--dry-run", "--", *fit_args])
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (2, "")
+    assert captured.err.startswith("sinklm slurm-submit: ") and captured.err.count("\n") == 1
+    assert message in captured.err
+
+
+def test_fit_arguments_without_the_separator_say_where_they_go(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        sinklm_main(["slurm-submit", "--config", str(PAPER), "--dry-run",
+                     "--trainer.max_steps=10"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert ("unrecognized arguments: --trainer.max_steps=10; `sinklm fit` arguments go after --"
+            in captured.err)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from sinklm.eval.zeroshot import SinkLMEval, evaluate, summarize  # noqa: E402
 from sinklm.eval.zeroshot_tasks import (  # noqa: E402
     PAPER_TASKS,
     ZeroshotError,
+    lm_eval_task_names,
     piqa_dataset,
     task_manager,
     task_specs,
@@ -279,3 +282,36 @@ def test_lm_eval_finds_the_model_by_name(tokenizer: Tokenizer, tmp_path: Path) -
     assert model.sink_ids == [50277] and model.batch_size == 2 and model.max_length == 2047
     with pytest.raises(ZeroshotError, match="batch_size='auto'"):
         SinkLMEval(model.checkpoint, batch_size="auto")
+
+
+def test_task_names_read_as_text_cover_lm_evals_index() -> None:
+    """A superset of the index lm-eval builds (~10 s), so a name missing from it is surely not
+    lm-eval's; and hardly more, so "did you mean" offers real tasks."""
+    indexed = set(task_manager().all_tasks)
+    names = lm_eval_task_names()
+    assert indexed <= names
+    assert len(names - indexed) <= 0.001 * len(indexed), sorted(names - indexed)
+
+
+def test_task_names_and_local_files_are_checked_before_torch_loads(tmp_path: Path) -> None:
+    """In a fresh interpreter: the refusals come without importing torch or lm-eval."""
+    (tmp_path / "arc_easy").mkdir()
+    cases = [(list(PAPER_TASKS), None), (["arc_easy", "hellaswa"], None),
+             (["arc_easy"], str(tmp_path)), (["sciq"], str(tmp_path)),
+             (["piqa"], str(tmp_path / "absent"))]
+    script = (
+        "import json, sys\nfrom sinklm.eval.zeroshot_tasks import ZeroshotError, check_tasks\n"
+        f"errors = []\nfor names, data_dir in {cases!r}:\n"
+        "    try:\n        check_tasks(names, data_dir)\n"
+        "    except ZeroshotError as error:\n        errors.append(str(error))\n"
+        "print(json.dumps([errors, [m for m in ('torch', 'lm_eval') if m in sys.modules]]))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    errors, heavy = json.loads(done.stdout.strip().splitlines()[-1])
+    assert heavy == []
+    assert len(errors) == 4  # the paper's tasks pass
+    assert errors[0].startswith("lm-eval has no task 'hellaswa'; did you mean hellaswag")
+    assert "has no arc_easy/*.jsonl" in errors[1]
+    assert "no local definition for 'sciq'" in errors[2]
+    assert errors[3].endswith("absent: no such folder")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 
 from sinklm.data.synthetic import trigger_token_ids
 from sinklm.eval.sinks import classify_positions, measure_sinks
@@ -80,9 +81,19 @@ class Throughput(L.Callback):
         return get_available_flops(module.device, dtype)
 
 
-# Logged metric -> its label in the progress bar.
+# Logged metric -> its label in the progress display.
 PROGRESS_LABELS = {"train/loss": "loss", "val/loss": "val_loss", "perf/tokens_per_s": "tok/s",
                    "perf/mfu": "mfu"}
+
+
+def progress_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's progress-bar metrics with short labels, tokens/s as ``12,345``, and without
+    ``v_num`` (the logger's version folder, not a measurement)."""
+    metrics = dict(metrics)
+    metrics.pop("v_num", None)
+    if "perf/tokens_per_s" in metrics:
+        metrics["perf/tokens_per_s"] = f"{float(metrics['perf/tokens_per_s']):,.0f}"
+    return {PROGRESS_LABELS.get(name, name): value for name, value in metrics.items()}
 
 
 class StepProgressBar(RichProgressBar):
@@ -93,11 +104,7 @@ class StepProgressBar(RichProgressBar):
     """
 
     def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
-        metrics = super().get_metrics(trainer, module)
-        metrics.pop("v_num", None)  # the logger's version folder, not a measurement
-        if "perf/tokens_per_s" in metrics:
-            metrics["perf/tokens_per_s"] = f"{float(metrics['perf/tokens_per_s']):,.0f}"
-        return {PROGRESS_LABELS.get(name, name): value for name, value in metrics.items()}
+        return progress_metrics(super().get_metrics(trainer, module))
 
     def _get_train_description(self, current_epoch: int) -> str:
         """The bar's label (a private hook: ``models.compat.OVERRIDDEN_HOOKS`` lists it)."""
@@ -105,6 +112,60 @@ class StepProgressBar(RichProgressBar):
         if max_epochs is not None and max_epochs < 0:  # bounded by max_steps: no epoch total
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
         return super()._get_train_description(current_epoch)
+
+
+class StepLines(ProgressBar):
+    """Progress where no terminal shows a bar (a log file, a pipe): one line on stderr every
+    ``log_every_n_steps`` optimizer steps and at the end, e.g. ``sinklm fit: step 20/150:
+    loss 4.213, tok/s 12,345``.
+
+    A line is written when the next step starts: Lightning gathers a step's logged values
+    (Throughput's tokens/s among them) only after every callback's ``on_train_batch_end``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._written = -1
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._written = trainer.global_step  # a resumed run's first step has nothing to say
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        every = trainer.log_every_n_steps
+        if every > 0 and trainer.global_step % every == 0:
+            self._write(trainer, module)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._write(trainer, module)
+
+    def _write(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        step = trainer.global_step
+        if not self._enabled or step == self._written:
+            return
+        self._written = step
+        total = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+        metrics = progress_metrics(self.get_metrics(trainer, module))
+        shown = ", ".join(f"{name} {value:.4g}" if isinstance(value, float) else
+                          f"{name} {value}" for name, value in metrics.items())
+        print(f"sinklm fit: step {step}{total}: {shown}", file=sys.stderr, flush=True)
+
+
+def progress_display(stream: TextIO) -> ProgressBar:
+    """The rich bar where ``stream`` (the one rich draws on) is a terminal; elsewhere a bar's
+    redraws would fill a log file, so plain lines instead."""
+    return StepProgressBar() if stream.isatty() else StepLines()
 
 
 class SinkProbe(L.Callback):

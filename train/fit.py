@@ -1,51 +1,54 @@
-"""``sinklm fit --config FILE [--section.key value ...]``: LightningCLI over our module and data.
+"""``sinklm fit --config FILE [--section.key value ...]``: training from a YAML config through
+LightningCLI (``train/fit_cli.py``).
 
-On top of LightningCLI this adds what a long pretraining run needs before any compute starts:
-the global batch is checked against devices x nodes x accumulation, the data's sink count is
-linked to the model's, checkpoints go to a fixed folder (``{default_root_dir}/checkpoints``)
-and ``--ckpt_path auto`` resumes from the newest checkpoint there or from a SLURM hpc
-checkpoint. Any checkpoint to resume from, found or named, must hold the configured model,
-sink ids, tokenizer and data. Every refusal is one line and exit code 2.
+This module imports neither torch nor Lightning, which take seconds to load: ``--help`` and the
+checks that need no model answer at once. Those checks: each ``--config`` is a YAML file of
+settings by section; every setting the files and the command line name exists (with "did you
+mean"), its section's names read from the source of the class that takes them, Lightning's
+included, without importing it; ``model.preset`` and ``model.variant`` are known names;
+``trainer.max_steps`` is positive; ``trainer.default_root_dir`` can be written. LightningCLI
+then parses everything again, types and all, and refuses what is left before any compute.
+Every refusal is one line and exit code 2.
 """
 
 from __future__ import annotations
 
-import argparse
+import ast
 import dataclasses
 import difflib
+import functools
 import importlib
+import importlib.util
 import inspect
-import logging
+import os
 import re
 import sys
-import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import FSDPStrategy, Strategy
+import yaml
 
-from sinklm.cli.fit import DESCRIPTION, USAGE
-from sinklm.data.errors import DataError
-from sinklm.models.checkpoint import (
-    CHECKPOINT_KEY,
-    DATA_KEY,
-    SINK_IDS_KEY,
-    CheckpointFormatError,
-    read_checkpoint,
-)
-from sinklm.models.config import ConfigError, ModelConfig, variant_name
-
-from .batching import check_global_batch
-from .callbacks import SinkProbe, StepCheckpoint, StepProgressBar, Throughput
-from .data_module import SinkLMDataModule
-from .module import OptimizerConfig, SinkLMModule, model_config, resolve_sink_tokens
+from sinklm.cli.fit import help_text
+from sinklm.cli.main import UserError
+from sinklm.cli.outputs import guard_writable
+from sinklm.models.config import PRESETS, VARIANTS, ConfigError, ModelConfig
 
 # LightningCLI options (removed here) that would replace the recipe's optimizer and schedule.
 LIGHTNING_OPTIMIZER_OPTIONS = ("optimizer", "lr_scheduler")
+# The settings of each section: the keywords of a class, as (package, file in it, class).
+SECTIONS = {
+    "trainer": ("lightning", "pytorch/trainer/trainer.py", "Trainer"),
+    "model": ("sinklm.train", "module.py", "SinkLMModule"),
+    "model.optimizer": ("sinklm.train", "module.py", "OptimizerConfig"),
+    "data": ("sinklm.train", "data_module.py", "SinkLMDataModule"),
+    # StepCheckpoint takes ModelCheckpoint's keywords.
+    "checkpoint": ("lightning", "pytorch/callbacks/model_checkpoint.py", "ModelCheckpoint"),
+    "throughput": ("sinklm.train", "callbacks.py", "Throughput"),
+    "sink_probe": ("sinklm.train", "callbacks.py", "SinkProbe"),
+}
+# Trainer.fit's parameters become top-level settings, less those LightningCLI fills itself.
+FIT_FILLED = ("model", "train_dataloaders", "val_dataloaders", "datamodule")
 
 
 def newest_checkpoint(checkpoint_dir: Path, root_dir: Path) -> Path | None:
@@ -59,81 +62,14 @@ def newest_checkpoint(checkpoint_dir: Path, root_dir: Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
-def check_strategy(strategy: Strategy) -> None:
-    """Refuse Lightning's FSDP1 strategy: it flattens parameters, which our weight-decay groups
-    and checkpoint layout were not built for and which no test covers; FSDP2 is."""
-    if isinstance(strategy, FSDPStrategy):
+def check_max_steps(max_steps: object) -> None:
+    """Refuse a max_steps the schedule cannot use (the Trainer would end a negative one in a
+    traceback)."""
+    if not isinstance(max_steps, int) or max_steps < 1:
         raise ConfigError(
-            "trainer.strategy=fsdp (Lightning's FSDP1) is not supported; for sharded training use "
-            "--trainer.strategy sinklm.train.parallel.FullyShardedStrategy (FSDP2, one unit per "
-            "block, full-state checkpoints)"
+            f"trainer.max_steps={max_steps}: must be a positive number of optimizer steps "
+            "(the warmup + cosine schedule is defined over it), e.g. --trainer.max_steps 1000"
         )
-
-
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _short(value: str | None) -> str:
-    return "none" if value is None else value[:12]
-
-
-def resume_differences(checkpoint: dict[str, Any], config: ModelConfig,
-                       data: SinkLMDataModule) -> list[str]:
-    """What differs between a checkpoint and this run, as ``what: checkpoint X vs config Y``."""
-    saved, current = _flatten(checkpoint[CHECKPOINT_KEY]), _flatten(config.to_dict())
-    # The kernel is not part of the model: resuming an sdpa run with flash is fine.
-    differing = [key for key in current if key != "attention.backend"
-                 and saved.get(key) != current[key]]
-    found = []
-    if {"attention.softmax", "sink_tokens"} & set(differing):
-        was = config.replace(attention={"softmax": saved.get("attention.softmax")},
-                             sink_tokens=saved.get("sink_tokens"))
-        found.append(f"variant: checkpoint {variant_name(was)} vs config {variant_name(config)}")
-    found += [f"model {key}: checkpoint {saved.get(key)!r} vs config {current[key]!r}"
-              for key in differing]
-    saved_sinks = checkpoint.get(SINK_IDS_KEY)
-    if saved_sinks is not None and list(saved_sinks) != data.sink_ids:
-        found.append(f"sink ids: checkpoint {list(saved_sinks)} vs data {data.sink_ids}")
-    saved_data = checkpoint.get(DATA_KEY)
-    if saved_data is not None:
-        for key, value in data.identity().items():
-            if saved_data.get(key) != value:
-                what = key.replace("_", " ")
-                found.append(f"{what}: checkpoint {_short(saved_data.get(key))} vs data "
-                             f"{_short(value)}")
-    return found
-
-
-def check_resume_compatible(path: Path, config: ModelConfig,
-                            data: SinkLMDataModule) -> str | None:
-    """Refuse a checkpoint of another model, sink ids, tokenizer or data, in one line naming
-    each difference; return a note when the checkpoint predates recording its data."""
-    try:
-        checkpoint = read_checkpoint(path)
-    except CheckpointFormatError as error:  # its message starts with the path
-        raise ConfigError(
-            f"ckpt_path={error}; point --ckpt_path at a .ckpt written by `sinklm fit`, or use "
-            "--ckpt_path auto"
-        ) from None
-    differences = resume_differences(checkpoint, config, data)
-    if differences:
-        raise ConfigError(
-            f"ckpt_path={path} holds another model or data than this config "
-            f"({'; '.join(differences)}); resume it with the config and data it was trained "
-            "with, or give this config its own checkpoint (another --ckpt_path, or a new "
-            "trainer.default_root_dir with --ckpt_path auto)"
-        )
-    if DATA_KEY not in checkpoint:
-        return (f"ckpt_path={path} was written before checkpoints recorded their data, so its "
-                "tokenizer and data cannot be checked against this config's; resuming anyway")
-    return None
 
 
 def _class_parameters(class_path: str) -> list[str]:
@@ -148,8 +84,8 @@ def _class_parameters(class_path: str) -> list[str]:
         return []
 
 
-def _closest(word: str, choices: list[str]) -> str | None:
-    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+def _closest(word: str, choices: Iterable[str]) -> str | None:
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return found[0] if found else None
 
 
@@ -167,7 +103,7 @@ def _unknown_key(key: str, known: list[str]) -> str:
                 "schedule are set under model.optimizer (e.g. --model.optimizer.lr 3e-4)")
     guess = _closest(prefix, level)
     hint = f"did you mean {guess}? " if guess else ""
-    return f"{prefix}: no such setting; {hint}(`sinklm fit --help` lists every setting)"
+    return f"{prefix}: no such setting; {hint}(`sinklm fit --help-all` lists every setting)"
 
 
 def argument_error_line(message: str, known: list[str]) -> str:
@@ -183,155 +119,193 @@ def argument_error_line(message: str, known: list[str]) -> str:
         guess = _closest(option.group(2), choices)
         hint = f"did you mean {key.group(1)}.{guess}? " if guess else ""
         return (f"{key.group(1)}.{option.group(2)}: no such setting of {option.group(1)}; "
-                f"{hint}(`sinklm fit --help` lists every setting)")
+                f"{hint}(`sinklm fit --help-all` lists every setting)")
     line = " ".join(part.strip() for part in message.splitlines() if part.strip())
     return re.sub(r'^Parser key "([^"]+)":', r"\1:", line)
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
-    """jsonargparse's help, keeping the description's line breaks (its examples)."""
+@functools.cache
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
-class SinkLMCLI(LightningCLI):
-    """LightningCLI with sinklm's callbacks, links and checks, refusing before any compute."""
+def source_parameters(package: str, file: str, class_name: str,
+                      method: str = "__init__") -> list[str] | None:
+    """The keyword names of ``class_name.method`` (or, without one, a dataclass's fields) as
+    written in ``file`` of ``package``, which is not imported. None where the source does not
+    say for sure (no such file, class or method; ``**kwargs``): nothing is refused on a guess."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    node = _classes(Path(next(iter(spec.submodule_search_locations))) / file).get(class_name)
+    if node is None:
+        return None
+    function = next((item for item in node.body if isinstance(item, ast.FunctionDef)
+                     and item.name == method), None)
+    if function is None:
+        fields = [item.target.id for item in node.body
+                  if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
+        return fields if method == "__init__" and fields else None
+    args = function.args
+    if args.vararg or args.kwarg:
+        return None
+    return [arg.arg for arg in [*args.posonlyargs, *args.args][1:] + args.kwonlyargs]
 
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        """Only fit (evaluation has its own commands), so its parser is the one built."""
-        return {"fit": LightningCLI.subcommands()["fit"]}
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        self.fit_parser = parser  # its keys are the candidates for "did you mean"
-        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
-        parser.set_defaults({
-            "checkpoint.save_last": True,
-            "checkpoint.save_top_k": -1,
-            "checkpoint.every_n_train_steps": 1000,
-            "checkpoint.filename": "step{step:08d}",
-            "checkpoint.auto_insert_metric_name": False,
-        })
-        parser.add_lightning_class_args(Throughput, "throughput")
-        parser.add_lightning_class_args(SinkProbe, "sink_probe")
-        parser.link_arguments(
-            ("model.variant", "model.sink_tokens", "model.model_overrides"), "data.sink_tokens",
-            compute_fn=resolve_sink_tokens,
-        )
-        parser.link_arguments(
-            ("model.preset", "model.model_overrides"), "data.vocab_size",
-            compute_fn=lambda preset, overrides: model_config(
-                preset, model_overrides=overrides
-            ).vocab_size,
-        )
+@functools.cache
+def known_settings() -> dict[str, list[str]]:
+    """The names each level of the fit parser takes: "" (the top) and every section whose
+    names are sure (see ``source_parameters``), e.g. ``model.optimizer``."""
+    fit = source_parameters(*SECTIONS["trainer"], method="fit")
+    known = {
+        "model.model_overrides": [field.name for field in dataclasses.fields(ModelConfig)],
+        **{section: names for section, source in SECTIONS.items()
+           if (names := source_parameters(*source)) is not None},
+    }
+    if fit is not None:
+        top = ["config", "print_config", "seed_everything",
+               *(section for section in SECTIONS if "." not in section),
+               *(name for name in fit if name not in FIT_FILLED)]
+        known[""] = top
+    return known
 
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse, turning jsonargparse's error (usage dump and all) into one ConfigError line."""
+
+def _check_names(settings: dict[Any, Any], prefix: str = "") -> None:
+    """Refuse a name ``settings`` holds at a level whose names are known."""
+    known = known_settings()
+    names = known.get(prefix)
+    # class_path/init_args: a class chosen by name, its keywords not known here.
+    if names is None or {"class_path", "init_args"} & set(settings):
+        return
+    for key, value in settings.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            flat = [f"{level}.{child}" if level else child
+                    for level, children in known.items() for child in children]
+            raise ConfigError(_unknown_key(name, flat))
+        if isinstance(value, dict):
+            _check_names(value, name)
+
+
+def _config_file(value: str) -> dict[Any, Any]:
+    """What ``--config VALUE`` sets: a YAML file's settings (or, as jsonargparse takes it too,
+    settings written inline)."""
+    if os.path.isfile(value):
         try:
-            super().parse_arguments(parser, args)
-        except argparse.ArgumentError as error:
-            known = [*self.fit_parser.get_defaults().keys(),
-                     *(f"model.optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig))]
-            raise ConfigError(argument_error_line(str(error), known)) from None
-
-    def _parse_ckpt_path(self) -> None:
-        """Keep the config as given. LightningCLI would replace the model section with the
-        checkpoint's hyperparameters, so a zero_sink config resumed from a sink_token checkpoint
-        silently trained sink_token; ``before_fit`` checks the checkpoint against the config.
-        (A private hook: ``models.compat.OVERRIDDEN_HOOKS`` lists it for the upstream check.)"""
-
-    def before_instantiate_classes(self) -> None:
-        """Refuse a max_steps the schedule cannot use before the Trainer, which would end a
-        negative one in a traceback, is built."""
-        max_steps = self.config[self.subcommand]["trainer"]["max_steps"]
-        if max_steps is None or max_steps < 1:
-            raise ConfigError(
-                f"trainer.max_steps={max_steps}: must be a positive number of optimizer steps "
-                "(the warmup + cosine schedule is defined over it), e.g. --trainer.max_steps 1000"
-            )
-
-    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The trainer, with our progress bar unless the config disables or chooses one."""
-        settings = self.config_init[self.subcommand]["trainer"]
-        callbacks = settings.get("callbacks") or []
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-        if settings.get("enable_progress_bar") is not False and not any(
-            isinstance(c, ProgressBar) for c in callbacks
-        ):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
-        return super().instantiate_trainer(**kwargs)
-
-    def before_fit(self) -> None:
-        trainer, model, data = self.trainer, self.model, self.datamodule
-        check_strategy(trainer.strategy)
-        if data.global_batch_size is not None:
-            check_global_batch(
-                data.global_batch_size, data.micro_batch_size, devices=trainer.num_devices,
-                nodes=trainer.num_nodes, accumulate=trainer.accumulate_grad_batches,
-            )
-        if data.seq_len > model.config.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len={data.seq_len} exceeds the model's max_seq_len="
-                f"{model.config.max_seq_len}; lower data.seq_len or set "
-                "model.model_overrides.max_seq_len"
-            )
-        if data.sink_tokens != model.config.sink_tokens:  # the link above makes them agree
-            raise ConfigError(
-                f"the model has sink_tokens={model.config.sink_tokens} but the data prepends "
-                f"{data.sink_tokens} sink ids; set the count once, with model.sink_tokens"
-            )
-        data.check_vocabulary(model.config.vocab_size)
-        root = Path(trainer.default_root_dir)
-        checkpoint = trainer.checkpoint_callback
-        if isinstance(checkpoint, StepCheckpoint) and checkpoint.dirpath is None:
-            checkpoint.dirpath = str(root / "checkpoints")
-        config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") == "auto":
-            found = newest_checkpoint(Path(checkpoint.dirpath), root)
-            config["ckpt_path"] = str(found) if found else None
-            print(f"sinklm fit: resuming from {found}" if found else
-                  "sinklm fit: no checkpoint yet, starting from scratch", file=sys.stderr)
-        if config.get("ckpt_path"):
-            note = check_resume_compatible(Path(config["ckpt_path"]), model.config, data)
-            if note:
-                print(f"sinklm fit: {note}", file=sys.stderr)
-        if trainer.is_global_zero:  # instead of Lightning's summary, whose FLOPs read 0
-            parameters = sum(p.numel() for p in model.parameters())
-            print(f"sinklm fit: {model.hparams.preset} {variant_name(model.config)}, "
-                  f"{parameters:,} parameters", file=sys.stderr)
+            with open(value, encoding="utf-8") as file:
+                settings = yaml.safe_load(file)
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            problem = " ".join(str(error).split())
+            raise ConfigError(f"--config {value}: not valid YAML ({problem}); fix the file, or "
+                              "write a fresh one with `sinklm fit --print_config`") from None
+    else:
+        try:
+            settings = yaml.safe_load(value)
+        except yaml.YAMLError:
+            settings = None
+        if not isinstance(settings, dict):
+            raise ConfigError(f"--config {value}: no such file; give a `sinklm fit` YAML "
+                              "config, e.g. configs/experiments/tiny-sink_token.yaml")
+    if not isinstance(settings, dict | None):
+        raise ConfigError(f"--config {value}: holds a YAML {type(settings).__name__}, not "
+                          "settings by section (trainer:, model:, data:, ...)")
+    return settings or {}
 
 
-class _NoAdverts(logging.Filter):
-    """Drop Lightning's "💡 Tip: try installing litlogger/litmodels" lines: adverts, not news
-    about the run."""
+def _given_settings(argv: list[str]) -> list[dict[Any, Any]]:
+    """What each ``--config FILE`` and ``--section.key value`` of ``argv`` sets, in order, as
+    nested mappings (``--a.b 1`` is ``{a: {b: 1}}``); values read as YAML, as LightningCLI does."""
+    found = []
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if not arg.startswith("-"):
+            continue  # not a setting: LightningCLI says what it is
+        key, sep, text = arg.lstrip("-").partition("=")
+        key = "config" if key == "c" else key.rstrip("+")  # --a+=b appends to a list
+        value: str | None = text
+        if not sep:
+            value = rest.pop(0) if rest and not rest[0].startswith("--") else None
+        if key == "config":
+            if value is not None:  # else LightningCLI says what is missing
+                found.append(_config_file(value))
+            continue
+        try:
+            setting: Any = None if value is None else yaml.safe_load(value)
+        except yaml.YAMLError:
+            setting = value
+        for part in reversed(key.split(".")):
+            setting = {part: setting}
+        found.append(setting)
+    return found
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("💡 Tip")
+
+def _merged(base: dict[Any, Any], update: dict[Any, Any]) -> dict[Any, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        old = merged.get(key)
+        both = isinstance(value, dict) and isinstance(old, dict)
+        merged[key] = _merged(old, value) if both else value
+    return merged
 
 
-_NO_ADVERTS = _NoAdverts()
+def _check_choice(key: str, value: object, allowed: Iterable[str]) -> None:
+    allowed = sorted(allowed)
+    if value is None or value in allowed:
+        return
+    guess = _closest(str(value), allowed)
+    hint = f"did you mean {guess}? " if guess else ""
+    raise ConfigError(f"{key}={value!r}: no such {key.rpartition('.')[2]}; {hint}"
+                      f"known: {', '.join(allowed)}")
+
+
+def early_checks(argv: list[str]) -> None:
+    """The checks on ``sinklm fit``'s arguments that need neither a model nor Lightning
+    (see the module doc); a refusal raises a UserError naming the setting."""
+    settings: dict[Any, Any] = {}
+    for given in _given_settings(argv):
+        _check_names(given)
+        settings = _merged(settings, given)
+    model = settings.get("model")
+    if isinstance(model, dict):
+        _check_choice("model.preset", model.get("preset"), PRESETS)
+        _check_choice("model.variant", model.get("variant"), VARIANTS)
+    trainer = settings.get("trainer")
+    trainer = trainer if isinstance(trainer, dict) else {}
+    steps = trainer.get("max_steps", 1)
+    if steps is None or type(steps) is int:  # any other type: LightningCLI names it
+        check_max_steps(steps)
+    root = trainer.get("default_root_dir")  # Lightning's default: the working folder
+    guard_writable([Path(root if isinstance(root, str) else os.getcwd())],
+                   "--trainer.default_root_dir")
+
+
+def check_fit_arguments(argv: list[str]) -> None:
+    """Every check ``sinklm fit`` makes on ``argv`` before it builds anything (``slurm-submit``
+    runs them before a job waits in the queue); a refusal raises a UserError."""
+    early_checks(argv)
+    from .fit_cli import parse_only
+
+    parse_only(argv)
 
 
 def run_fit(argv: list[str]) -> int:
-    # We hand LightningCLI our argv on purpose (`sinklm fit ...` is not its own script).
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    # Lightning's own call into torch's pytree API; nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NO_ADVERTS)
-    # Errors raise (one line below) instead of printing the whole usage; no abbreviations, so
-    # a typo'd --trainer.max_step is refused instead of silently meaning max_steps. The fit
-    # parser takes these from the main one.
-    main = {"exit_on_error": False, "allow_abbrev": False, "formatter_class": _HelpFormatter}
+    """``sinklm fit``: its help, the early checks, then LightningCLI (``--help-all``: its help,
+    every setting)."""
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        raise SystemExit(0)  # as every command's --help (argparse's) ends
     try:
-        SinkLMCLI(
-            SinkLMModule, SinkLMDataModule, args=["fit", *argv],
-            save_config_kwargs={"overwrite": True},
-            trainer_defaults={"enable_model_summary": False},
-            # The recipe's optimizer and schedule are model.optimizer; LightningCLI's
-            # --optimizer/--lr_scheduler would silently replace them.
-            auto_configure_optimizers=False,
-            parser_kwargs={**main, "fit": {"default_env": False, "usage": USAGE,
-                                           "description": DESCRIPTION}},
-        )
-    except (ConfigError, DataError) as error:
+        if "--help-all" not in argv:
+            early_checks(argv)
+        from .fit_cli import run
+
+        run(["--help" if arg == "--help-all" else arg for arg in argv])
+    except UserError as error:
         print(f"sinklm fit: {error}", file=sys.stderr)
-        return 2
+        return error.code
     return 0
