@@ -18,9 +18,8 @@ from sinklm.cli.outputs import write_atomic
 from .cache import CachePolicy
 from .compare_cache import CACHE_DIR, SINK_EPS, SINK_WINDOW, SINK_WINDOWS, ModelCache, Text, slug
 from .compare_tables import (
-    first_token_findings,
+    model_findings,
     non_trigger_first,
-    sink_findings,
     sinks_markdown,
     strongest_non_trigger,
     training_sinks_markdown,
@@ -364,8 +363,7 @@ def report_tables(out: Path, measured: Measured, computed: int, reused: int) -> 
         zeroshot_table=zeroshot_markdown(measured.zeroshot, tasks) if tasks else None,
         sinks_table=sinks_markdown(measured.sinks),
         training_sinks_table=training_sinks_markdown(training) if training else None,
-        findings=(first_token_findings(measured.streams, context)
-                  + sink_findings(measured.sinks)),
+        findings=model_findings(measured.streams, measured.sinks, context),
         files={}, computed=computed, reused=reused,
     )
 

@@ -1,5 +1,5 @@
 """What ``sinklm compare``'s numbers say, as text: its Markdown tables (zero-shot, sinks, sinks
-during training) and one measured sentence per model on its first token and its sinks. Pure
+during training) and one measured finding per model that ties its first-token measures. Pure
 functions of the cached results, so they can be checked by hand.
 """
 
@@ -56,51 +56,89 @@ def sinks_markdown(sinks: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def sink_findings(sinks: dict[str, dict[str, Any]]) -> list[str]:
-    """One measured sentence per model on whether a first-token sink formed (Gu et al.)."""
+def model_findings(streams: dict[str, list[CacheResult]], sinks: dict[str, dict[str, Any]],
+                   context: dict[str, int]) -> list[str]:
+    """One finding per model that ties the three measures of a first-token sink together:
+    dependence (window-only 0+W perplexity against 1+(W-1)), attention to position 0 (per
+    layer; on Bigram-Backcopy also from non-trigger queries, where a copy head parks), and
+    Sink_1^eps (heads whose mean attention to position 0 exceeds eps, Gu et al.). A model may
+    need its first token while no head passes eps on average, so the verdict names which."""
     findings = []
-    for label, report in sinks.items():
-        heads = np.asarray(report["attention_to_position"])[:, :, 0]
-        above = int((heads > report["eps"]).sum())
-        verdict = (f"{above} of {heads.size} heads give position 0 more than {report['eps']:g} "
-                   "of their attention: a first-token sink formed" if above else
-                   f"no head gives position 0 more than {report['eps']:g} of its attention "
-                   f"(at most {heads.max():.3f}): no first-token sink by this measure")
-        findings.append(f"{label}: {verdict}.")
-    return findings
-
-
-def first_token_findings(streams: dict[str, list[CacheResult]],
-                         context: dict[str, int]) -> list[str]:
-    """One measured sentence per model on what its first tokens do under the paper's caches
-    (0+W against 1+(W-1) and 4+(W-4)), and a note when dense runs past the trained context."""
-    findings = []
-    for label, results in streams.items():
-        by_start = {(r.policy.start, r.policy.size): r.ppl for r in results
-                    if isinstance(r.policy, StartRecent)}
-        for (start, size), window in sorted(by_start.items()):
-            one, four = by_start.get((1, size)), by_start.get((4, size))
-            if start != 0 or one is None:
-                continue
-            ratio = window / one
-            verdict = ("it depends on its first token: dropping it breaks the model"
-                       if ratio >= DEPENDENCE_RATIO else
-                       "it does not depend on its first token")
-            sentence = (f"{label}: window-only 0+{size} perplexity is {ratio:.2f}x that of "
-                        f"1+{size - 1} ({format_ppl(window)} vs {format_ppl(one)}): {verdict}")
-            if four is not None:
-                change = four / one - 1
-                sentence += (f"; 4+{size - 4} is {abs(change):.1%} "
-                             f"{'below' if change < 0 else 'above'} 1+{size - 1}")
-            findings.append(sentence + ".")
+    for label in dict.fromkeys([*streams, *sinks]):
+        results, report = streams.get(label, []), sinks.get(label)
+        parts, depends = _dependence(results)
+        above, eps = None, 0.0
+        if report is not None:
+            attention, above, eps = _attention(report)
+            parts.append(attention)
+        sentence = f"{label}: " + "; ".join(parts)
+        if depends is not None and above is not None:
+            sentence += ". So: " + _verdict(depends, above > 0, eps)
         dense = next((r for r in results if isinstance(r.policy, Dense)), None)
         if dense is not None and (dense.max_position or 0) >= context[label]:
-            findings.append(
-                f"{label}: dense attention reaches position {dense.max_position:,}, past the "
-                f"{context[label]} positions the model was trained on; its perplexity "
-                f"({format_ppl(dense.ppl)}) measures length extrapolation, not the cache."
+            sentence += (
+                f". Dense attention reaches position {dense.max_position:,}, past the "
+                f"{context[label]} positions the model was trained on: its perplexity "
+                f"({format_ppl(dense.ppl)}) measures length extrapolation, not the cache"
             )
+        findings.append(sentence + ".")
     return findings
+
+
+def _dependence(results: list[CacheResult]) -> tuple[list[str], bool | None]:
+    """Per cache size W of the grid, 0+W against 1+(W-1) (and 4+(W-4)): the clauses, and
+    whether any 0+W is DEPENDENCE_RATIO times worse (None without such a pair)."""
+    by_start = {(r.policy.start, r.policy.size): r.ppl for r in results
+                if isinstance(r.policy, StartRecent)}
+    clauses: list[str] = []
+    depends: bool | None = None
+    for (start, size), window in sorted(by_start.items()):
+        one, four = by_start.get((1, size)), by_start.get((4, size))
+        if start != 0 or one is None:
+            continue
+        ratio = window / one
+        depends = bool(depends) or ratio >= DEPENDENCE_RATIO
+        verdict = "depends on" if ratio >= DEPENDENCE_RATIO else "does not depend on"
+        clause = (f"it {verdict} its first token (window-only 0+{size} perplexity is "
+                  f"{ratio:.2f}x that of 1+{size - 1}, {format_ppl(window)} vs "
+                  f"{format_ppl(one)}")
+        if four is not None:
+            change = four / one - 1
+            clause += (f"; 4+{size - 4} is {abs(change):.1%} "
+                       f"{'below' if change < 0 else 'above'} 1+{size - 1}")
+        clauses.append(clause + ")")
+    return clauses, depends
+
+
+def _attention(report: dict[str, Any]) -> tuple[str, int, float]:
+    """The attention clause of a sink report (mass on position 0, Sink_1^eps), the number of
+    heads above eps, and eps."""
+    heads = np.asarray(report["attention_to_position"])[:, :, 0]
+    eps = float(report["eps"])
+    above = int((heads > eps).sum())
+    layers = ", ".join(f"{m:.3f}" for m in report["attention_to_first_per_layer"])
+    clause = f"attention to position 0 averages {layers} per layer"
+    non_trigger = non_trigger_first(report)
+    if non_trigger is not None:
+        clause += f" ({non_trigger:.3f} from non-trigger queries in the strongest head)"
+    clause += (f", and {above} of {heads.size} heads give it more than {eps:g} "
+               f"(Sink_1^{eps:g} = {above / heads.size:.3f}; the strongest head "
+               f"{heads.max():.3f})")
+    return clause, above, eps
+
+
+def _verdict(depends: bool, attended: bool, eps: float) -> str:
+    """What the dependence and Sink_1^eps say together."""
+    if depends and attended:
+        return ("a first-token sink: heads park attention on position 0 and the model breaks "
+                "without it")
+    if depends:
+        return (f"it needs its first token though no head gives it more than {eps:g} of its "
+                "attention on average: a partial sink, which some queries use")
+    if attended:
+        return ("heads attend to position 0, yet windows without it lose nothing: the recent "
+                "tokens take over that no-op")
+    return "no first-token sink by any of the three measures"
 
 
 def strongest_non_trigger(row: dict[str, Any]) -> float | None:

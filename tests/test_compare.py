@@ -329,36 +329,43 @@ def test_training_sinks_table_by_hand() -> None:
     assert table[3] == "| flat | 3 | 3,000 | never | 0.000 | 0.700, 0.800 |"
 
 
-def test_findings_say_in_words_what_the_caches_measured() -> None:
+def test_one_finding_per_model_ties_its_three_measures() -> None:
+    """Dependence (0+W against 1+(W-1)), attention to position 0 and Sink_1^eps in one
+    finding per model, with the verdict their combination gives."""
     from sinklm.eval.cache import Dense, StartRecent
-    from sinklm.eval.compare_tables import first_token_findings
+    from sinklm.eval.compare_tables import model_findings
     from sinklm.eval.streaming import CacheResult
 
     def result(policy: object, ppl: float, max_position: int = 63) -> CacheResult:
         return CacheResult(policy, np.full(10, np.log(ppl), dtype=np.float32), 1.0, [],
                            max_position)
 
-    streams = {
-        "sink": [result(StartRecent(0, 64), 40.0), result(StartRecent(1, 63), 5.0),
-                 result(StartRecent(4, 60), 4.9), result(Dense(), 100.0, 8191)],
-        "plain": [result(StartRecent(0, 64), 5.05), result(StartRecent(1, 63), 5.0),
-                  result(Dense(), 5.0, 100)],
-    }
-    sink, dense, plain = first_token_findings(streams, {"sink": 128, "plain": 128})
-    assert sink.startswith("sink: window-only 0+64 perplexity is 8.00x that of 1+63 (40.00 vs "
-                           "5.00): it depends on its first token")
-    assert "4+60 is 2.0% below 1+63" in sink
-    assert "reaches position 8,191, past the 128 positions" in dense and "100.00" in dense
-    assert "1.01x" in plain and "does not depend on its first token" in plain
+    def needs(ratio: float) -> list[CacheResult]:
+        return [result(StartRecent(0, 64), 5.0 * ratio), result(StartRecent(1, 63), 5.0),
+                result(StartRecent(4, 60), 4.9)]
 
+    def attention(*heads: float, non_trigger: float | None = None) -> dict:
+        report = {"eps": 0.3, "attention_to_position": [[[h] for h in heads]],
+                  "attention_to_first_per_layer": [sum(heads) / len(heads)]}
+        if non_trigger is not None:
+            report["targets"] = {"non_trigger": [[[non_trigger, 0.1, 0.2]]]}
+        return report
 
-def test_findings_say_whether_a_first_token_sink_formed() -> None:
-    from sinklm.eval.compare_tables import sink_findings
-
-    formed, none = sink_findings({
-        "a": {"eps": 0.3, "attention_to_position": [[[0.9], [0.1]], [[0.31], [0.2]]]},
-        "b": {"eps": 0.3, "attention_to_position": [[[0.12], [0.05]]]},
-    })
-    assert formed == ("a: 2 of 4 heads give position 0 more than 0.3 of their attention: a "
-                      "first-token sink formed.")
-    assert none.startswith("b: no head gives position 0 more than 0.3") and "0.120" in none
+    streams = {"sink": [*needs(8.0), result(Dense(), 100.0, 8191)], "partial": needs(8.0),
+               "attended": needs(1.01), "none": needs(1.0)}
+    sinks = {"sink": attention(0.9, 0.1), "partial": attention(0.12, 0.2, non_trigger=0.26),
+             "attended": attention(0.5, 0.1), "none": attention(0.05, 0.02)}
+    sink, partial, attended, none = model_findings(streams, sinks, dict.fromkeys(streams, 128))
+    assert sink.startswith("sink: it depends on its first token (window-only 0+64 perplexity "
+                           "is 8.00x that of 1+63, 40.00 vs 5.00; 4+60 is 2.0% below 1+63); "
+                           "attention to position 0 averages 0.500 per layer, and 1 of 2 heads "
+                           "give it more than 0.3 (Sink_1^0.3 = 0.500; the strongest head "
+                           "0.900). So: a first-token sink")
+    assert "Dense attention reaches position 8,191, past the 128 positions" in sink
+    assert "(0.260 from non-trigger queries in the strongest head)" in partial
+    assert "0 of 2 heads give it more than 0.3" in partial and "a partial sink" in partial
+    assert "does not depend" in attended and "yet windows without it lose nothing" in attended
+    assert none.endswith("So: no first-token sink by any of the three measures.")
+    # A measure that was not taken is left out, and so is the verdict.
+    (alone,) = model_findings({"x": needs(8.0)}, {}, {"x": 128})
+    assert "depends on its first token" in alone and "So:" not in alone
