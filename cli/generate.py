@@ -151,12 +151,10 @@ def parse_generation_cache(spec: str) -> StartRecent | Dense:
 
 
 def default_cache(checkpoint: Checkpoint) -> StartRecent:
-    """The sink ids (4 tokens without) + the rest of the trained context less the query's slot."""
+    """The model's default stream cache (``ModelConfig.stream_cache``)."""
     from sinklm.eval.cache import StartRecent
 
-    context = checkpoint.model.config.max_seq_len
-    start = len(checkpoint.sink_token_ids) or 4
-    return StartRecent(min(start, context - 1), max(0, context - 1 - start))
+    return StartRecent(*checkpoint.model.config.stream_cache())
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -110,12 +110,8 @@ def model_card(
 
 def _streaming_section(checkpoint: Checkpoint, where: str) -> list[str]:
     """How to stream past the context with the start+recent cache the folder's
-    ``custom_generate/generate.py`` implements. The example's sizes are ``sinklm generate``'s
-    default: the sink ids (4 tokens without, as StreamingLLM) and the rest of the trained
-    context less the query's slot, so queries stay at trained positions."""
-    context = checkpoint.model.config.max_seq_len
-    start = min(len(checkpoint.sink_token_ids) or 4, context - 1)
-    recent = max(0, context - 1 - start)
+    ``custom_generate/generate.py`` implements, with ``sinklm generate``'s default sizes."""
+    start, recent = checkpoint.model.config.stream_cache()
     return [
         "## Streaming generation",
         "",

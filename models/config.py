@@ -99,6 +99,13 @@ class ModelConfig:
         """Rotated dims per head, as GPT-NeoX computes them: int(head_dim * rotary_pct)."""
         return int(self.head_dim * self.rotary_pct)
 
+    def stream_cache(self) -> tuple[int, int]:
+        """The start+recent cache sizes a stream defaults to (``sinklm generate``, an export's
+        streaming example): the sink ids (4 tokens without, as StreamingLLM) and the rest of
+        the trained context less the query's slot, so that queries stay at trained positions."""
+        start = min(self.sink_tokens or 4, self.max_seq_len - 1)
+        return start, self.max_seq_len - 1 - start
+
     @property
     def d_mlp(self) -> int:
         return self.mlp_ratio * self.d_model

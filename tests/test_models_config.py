@@ -145,3 +145,13 @@ def test_training_flops_per_token_by_hand() -> None:
     expected = 6 * (block_weights + head) + 12 * 12 * 2048 * 768
     assert config.training_flops_per_token(2048) == expected
     assert 0.95e9 < expected < 1.0e9  # ~0.97 GFLOP per token: the figure MFU papers quote
+
+
+def test_a_stream_cache_keeps_the_sink_ids_and_fills_the_context_with_the_query() -> None:
+    """The default start+recent sizes: the sink ids (4 without) + the rest of the context
+    less the query's slot, so that cache and query together are the trained context."""
+    small = {"vocab_size": 97, "n_layer": 1, "n_head": 1, "d_model": 8}
+    assert ModelConfig(**small, max_seq_len=16, sink_tokens=1).stream_cache() == (1, 14)
+    assert ModelConfig(**small, max_seq_len=16, sink_tokens=2).stream_cache() == (2, 13)
+    assert ModelConfig(**small, max_seq_len=2048).stream_cache() == (4, 2043)
+    assert ModelConfig(**small, max_seq_len=3).stream_cache() == (2, 0)
