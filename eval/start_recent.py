@@ -15,6 +15,11 @@ separate score columns with the query rotated to ``P_j`` (see :class:`ChunkGeome
 share one softmax row. A token's keys and values at every layer are computed once, when it is
 the query, from what the cache held then; the cache keeps exactly those (x initial and y recent
 per layer), so its memory is flat in the stream length.
+
+One token at a time (generation) takes another layout, :class:`Ring`: re-rotating the y recent
+keys at every token would cost more than the token's own projections, so there each recent key
+is rotated once, at its stream index, and the query at its own; the score depends only on their
+distance, as in the band. The keys before rotary are kept beside, for the next chunk.
 """
 
 from __future__ import annotations
@@ -40,6 +45,24 @@ class LayerCache:
     initial_v: Tensor
     recent_k: Tensor
     recent_v: Tensor
+
+
+@dataclass
+class Ring:
+    """One layer's cache between one-token steps, in the slots of one attention row: a zero key
+    and value (the sink's column, unused without a sink), the x initial keys, then y + 1 slots
+    (the y recent and the query's own) that a token takes at ``(i - x) % (y + 1)``. The order
+    of keys in a row does not matter to attention, so a token is written once and never moved.
+
+    ``keys`` hold the recent keys rotated at their stream index and the initial ones rotated
+    anew at each step to where the query sees them; ``unrotated`` the recent keys before
+    rotary, so that the next chunk gets them back exactly. Three tensors of x + y + 2 slots at
+    most: flat in the stream length, as the layers.
+    """
+
+    keys: Tensor  # [H, 1 + x + y + 1, D]
+    values: Tensor  # [H, 1 + x + y + 1, D]
+    unrotated: Tensor  # [H, y + 1, D]
 
 
 Rope = tuple[Tensor, Tensor]
@@ -117,6 +140,7 @@ class StartRecentCache:
     next_index: int = 0  # stream index of the next token
     steady: ChunkGeometry | None = None  # the geometry of full-cache chunks, of the last size
     scratch: Tensor | None = None  # one head's score rows, reused (fresh ones cost page faults)
+    rings: list[Ring] | None = None  # while one-token steps run: the layers' recent tokens
 
     @classmethod
     def empty(cls, model: CausalLM, policy: StartRecent) -> StartRecentCache:
@@ -136,6 +160,9 @@ class StartRecentCache:
     def __len__(self) -> int:
         """Entries held per layer (initial + recent): never more than x + y."""
         layer = self.layers[0]
+        if self.rings is not None:  # one slot of the ring is the oldest's, not held any more
+            return layer.initial_k.shape[1] + min(self.policy.recent,
+                                                  self.next_index - self.policy.start)
         return layer.initial_k.shape[1] + layer.recent_k.shape[1]
 
     def _geometry(self, rotary: RotaryEmbedding, index: int, size: int, sink_key: bool,
@@ -169,6 +196,10 @@ class StartRecentCache:
             raise ValueError("a start+recent cache takes one stream [1, T], assigns positions "
                              "itself and returns no attention probabilities")
         index, size = self.next_index, input_ids.shape[1]
+        if size == 1 and index >= self.policy.start:  # past the initial tokens: a ring step
+            return self._ring_step(rotary, index, dtype, input_ids.device)
+        if self.rings is not None:
+            self._leave_rings()
         self.next_index += size
         geometry: list[ChunkGeometry] = []  # built by the first layer: it knows the variant
 
@@ -180,6 +211,79 @@ class StartRecentCache:
                                    geometry=geometry[0])[None]
 
         return attend
+
+    def _ring_step(self, rotary: RotaryEmbedding, index: int, dtype: torch.dtype,
+                   device: torch.device) -> LayerAttention:
+        """The token at stream index ``index`` (>= x) through the rings, built if need be."""
+        x, y = self.policy.start, self.policy.recent
+        rings = self.rings or self._enter_rings(rotary, index, dtype, device)
+        self.next_index += 1
+        slot = 1 + x + (index - x) % (y + 1)
+        held = 1 + x + min(index - x + 1, y + 1)  # slots in use: the row's length
+        # The query and its key at ``index``; initial key p where the query, at P = min(index,
+        # x + y), sees it: P - p before it, so at angle index - (P - p).
+        shift = index - min(index, x + y)
+        positions = torch.tensor([index, index, *range(shift, shift + x)], device=device)
+        rope = _exact_rope(rotary, positions, dtype)
+
+        def attend(layer: int, attention: Attention, x_in: Tensor) -> Tensor:
+            return self._ring_attention(attention, rotary, x_in[0], rings[layer],
+                                        self.layers[layer], rope, slot, held)[None]
+
+        return attend
+
+    def _ring_attention(
+        self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, ring: Ring,
+        layer: LayerCache, rope: Rope, slot: int, held: int,
+    ) -> Tensor:
+        """Layer output [1, d] of one token: one row of scores over the ring's slots."""
+        x = layer.initial_k.shape[1]
+        q, k, v = attn.heads(x_in)  # [H, 1, D]
+        rotated = rotary.rotate(torch.cat([q, k, layer.initial_k], dim=1), *rope)
+        ring.keys[:, slot] = rotated[:, 1]
+        ring.keys[:, 1 : 1 + x] = rotated[:, 2:]
+        ring.unrotated[:, slot - 1 - x] = k[:, 0]
+        ring.values[:, slot] = v[:, 0]
+        sink = attn.sink()
+        first = int(sink is None)  # without a sink, the row starts after the sink's column
+        keys, values = ring.keys[:, first:held], ring.values[:, first:held]
+        scores = self._scratch(keys.shape[0] * keys.shape[1], q).view(keys.shape[0], 1, -1)
+        torch.bmm(rotated[:, :1], keys.transpose(1, 2), out=scores)
+        row = scores.view(scores.shape[0], -1).mul_(1.0 / math.sqrt(attn.head_dim))
+        probs = sink_softmax(row, sink, out=row)
+        return attn.output(torch.bmm(probs[:, None], values), x_in)
+
+    def _enter_rings(self, rotary: RotaryEmbedding, index: int, dtype: torch.dtype,
+                     device: torch.device) -> list[Ring]:
+        """Rings holding what the layers hold before stream index ``index``."""
+        x, n = self.policy.start, self.policy.recent + 1
+        held = min(self.layers[0].recent_k.shape[1], index - x)  # recent keys past the initial
+        stream = torch.arange(index - held, index, device=device)
+        slots = 1 + x + (stream - x) % n
+        rope = _exact_rope(rotary, stream, dtype)
+        self.rings = []
+        for layer in self.layers:
+            recent_k = layer.recent_k[:, layer.recent_k.shape[1] - held :]
+            h, d = recent_k.shape[0], recent_k.shape[2]
+            keys, values, unrotated = (recent_k.new_zeros(h, s, d) for s in (1 + x + n,) * 2 + (n,))
+            keys[:, slots] = rotary.rotate(recent_k, *rope)
+            values[:, slots] = layer.recent_v[:, layer.recent_v.shape[1] - held :]
+            values[:, 1 : 1 + x] = layer.initial_v
+            unrotated[:, slots - 1 - x] = recent_k
+            layer.recent_k = layer.recent_v = keys.new_zeros(h, 0, d)  # the ring holds them
+            self.rings.append(Ring(keys, values, unrotated))
+        return self.rings
+
+    def _leave_rings(self) -> None:
+        """The layers back from the rings (the recent keys in stream order), for a chunk."""
+        x, y = self.policy.start, self.policy.recent
+        index = self.next_index
+        stream = torch.arange(max(x, index - y), index, device=self.rings[0].keys.device)
+        slots = (stream - x) % (y + 1)
+        for layer, ring in zip(self.layers, self.rings, strict=True):
+            layer.recent_k = ring.unrotated[:, slots]
+            layer.recent_v = ring.values[:, 1 + x + slots]
+        self.rings = None
 
     def _attention(
         self, attn: Attention, rotary: RotaryEmbedding, x_in: Tensor, a: int, *,
@@ -250,6 +354,13 @@ class StartRecentCache:
                 out[head].view(padded, d).addmm_(probs.view(padded, -1)[:, first:prefix],
                                                  layer.initial_v[head])
         return attn.output(out.view(h, padded, d)[:, :c], x_in)
+
+
+def _exact_rope(rotary: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) -> Rope:
+    """cos and sin [T, r] at stream indices ``positions``, however large: the angles in float64
+    (fp32 angles are ~4e-3 rad off at index 10^5), then ``dtype``."""
+    cos, sin = rotary.cos_sin(positions[None], torch.float64)
+    return cos[0, 0].to(dtype), sin[0, 0].to(dtype)
 
 
 def _band(held: Tensor, new: Tensor, before: int, after: int) -> Tensor:
