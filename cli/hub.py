@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from sinklm.cli.main import UserError
-from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, OFFLINE_HINT
+from sinklm.cli.options import CHECKPOINT_HELP, DEVICE_HELP, DTYPE_NAMES, OFFLINE_HINT
 from sinklm.cli.outputs import guard_outputs, guard_writable, write_atomic
 from sinklm.eval.zeroshot_tasks import PAPER_TASKS
 
@@ -32,7 +32,7 @@ def define_export(parser: argparse.ArgumentParser) -> None:
         "           --output exports/pythia-160m-zero_sink "
         "--push-to-hub me/pythia-160m-zero-sink --private"
     )
-    parser.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--output", required=True, help="the folder to write")
     parser.add_argument("--tokenizer", help="a tokenizer.json to use instead of the checkpoint's")
     parser.add_argument(
@@ -60,7 +60,7 @@ def define_zeroshot(parser: argparse.ArgumentParser) -> None:
         "           --data-dir ../shared/data/benchmarks --limit 100 "
         "--output runs/pythia-160m-sink_token/zeroshot_results.json"
     )
-    parser.add_argument("--checkpoint", required=True, help="a GPTNeoX/sinklm folder or Hub id")
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument(
         "--tasks", default=",".join(PAPER_TASKS),
         help="comma-separated lm-eval task names (default: the paper's seven)",
