@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sinklm.cli.evaluate import check_device
+from sinklm.cli.evaluate import check_device, check_eod_first
 from sinklm.cli.main import UserError, check_at_least
 from sinklm.cli.options import DEVICE_HELP, DTYPE_NAMES, OFFLINE_HINT, default_device
 
@@ -39,6 +39,10 @@ def define_compare(parser: argparse.ArgumentParser) -> None:
                         help="token ids of a `sinklm prepare-data` folder's split (default "
                         "validation), one stream per document, e.g. packed/bigram_backcopy "
                         "(needs checkpoints trained with that folder's tokenizer)")
+    parser.add_argument("--eod-first", action="store_true",
+                        help="with --packed: keep the end-of-document id in front of each "
+                        "document (the first one gets one too), as models trained with "
+                        "data.windows: documents saw every document start")
     parser.add_argument("--cache", help="comma-separated cache specs")
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="stream the first N text tokens (across files, in order)")
@@ -68,6 +72,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     check_at_least(("--max-tokens", args.max_tokens, 2), ("--limit", args.limit, 1),
                    ("--batch-size", args.batch_size, 1))
+    check_eod_first(args.eod_first, args.packed)
     tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
     if args.data_dir is not None and not tasks:
         raise UserError("--data-dir is for zero-shot tasks; name them with --tasks")
@@ -79,7 +84,7 @@ def run_compare(args: argparse.Namespace) -> int:
     check_device(args.device)
     settings = Settings(
         texts=tuple(Path(t).expanduser() for t in args.text or ()), packed=args.packed,
-        caches=caches,
+        eod_first=args.eod_first, caches=caches,
         max_tokens=args.max_tokens, tasks=tasks, data_dir=args.data_dir, limit=args.limit,
         batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters,
         device=args.device, dtype=args.dtype,

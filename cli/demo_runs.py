@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +47,11 @@ def _sha256(path: Path) -> str:
 
 
 def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str, Any],
-          steps: int | None, fit_args: list[str]) -> Path:
+          steps: int | None, fit_args: list[str], log: Callable[[str], None] = say,
+          replace: bool = False) -> Path:
     """``sinklm fit`` of ``configs/experiments/FAMILY-VARIANT.yaml`` into ``run_dir``; resumed
-    if interrupted, skipped if done, refused if ``run_dir`` holds a run of other settings."""
+    if interrupted, skipped if done; if ``run_dir`` holds a run of other settings, refused, or
+    with ``replace`` deleted and trained anew."""
 
     from sinklm.models.checkpoint import global_step
     from sinklm.train.fit import newest_checkpoint, run_fit
@@ -59,6 +63,9 @@ def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str
                 "tokenizer_hash": meta["tokenizer_hash"],
                 "source_fingerprint": meta["source_fingerprint"]}
     record = run_dir / "demo.json"
+    if record.is_file() and json.loads(record.read_text()) != settings and replace:
+        log(f"{run_dir} holds a run of other settings: deleting it (--overwrite)")
+        shutil.rmtree(run_dir)
     if record.is_file() and json.loads(record.read_text()) != settings:
         raise DemoError(f"{run_dir} holds a run with other settings (config, steps, fit "
                         "arguments or data): remove it or pass another --output-dir")
@@ -73,9 +80,9 @@ def train(family: str, variant: str, run_dir: Path, packed: Path, meta: dict[str
 
     done = trained()
     if done == steps:
-        say(f"reusing {run_dir}: {variant} trained for {steps} steps")
+        log(f"reusing {run_dir}: {variant} trained for {steps} steps")
         return run_dir / "checkpoints" / "last.ckpt"
-    say(f"training {family} {variant} for {steps} steps into {run_dir}"
+    log(f"training {family} {variant} for {steps} steps into {run_dir}"
         + (f" (resuming at step {done})" if done else ""))
     argv = [
         "--config", str(config_path),

@@ -48,6 +48,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="token ids of a `sinklm prepare-data` folder's split (default "
                         "validation), one stream per document; for a model trained with that "
                         "folder's tokenizer, e.g. the sink lab's packed/bigram_backcopy")
+    parser.add_argument("--eod-first", action="store_true",
+                        help="with --packed: keep the end-of-document id in front of each "
+                        "document (the first one gets one too), as a model trained with "
+                        "data.windows: documents saw every document start")
     parser.add_argument("--text-column", default="text", help="dataset column with the text")
     parser.add_argument("--tokenizer", metavar="FILE",
                         help="tokenizer.json to use instead of the checkpoint's")
@@ -122,10 +126,23 @@ def load_model(args: argparse.Namespace) -> Checkpoint:
                            dtype=DTYPES[args.dtype])
 
 
+def check_eod_first(eod_first: bool, packed: str | None) -> None:
+    """Refuse ``--eod-first`` without ``--packed``: only packed ids carry end-of-document ids."""
+    if eod_first and not packed:
+        raise UserError("--eod-first keeps the end-of-document ids of packed data in front of "
+                        "each document: use it with --packed DIR[:split]")
+
+
+def note(command: str, message: str) -> None:
+    """One note line on stderr: the run goes on as asked."""
+    print(f"sinklm {command}: note: {message}", file=sys.stderr)
+
+
 def _check_source(args: argparse.Namespace) -> None:
     """Fail on a missing text file or packed folder before the model is loaded."""
     from sinklm.eval.texts import check_files, check_packed
 
+    check_eod_first(args.eod_first, args.packed)
     if args.text:
         check_files(args.text)
     elif args.packed:
@@ -135,10 +152,20 @@ def _check_source(args: argparse.Namespace) -> None:
 def _streams(args: argparse.Namespace, checkpoint: Checkpoint, sinks: SinkPrefix,
              max_tokens: int | None) -> list[Stream]:
     """The streams of --text, --dataset or --packed in the checkpoint's tokens."""
-    from sinklm.eval.texts import encode_streams, packed_streams, read_dataset, read_files
+    from sinklm.eval.texts import (
+        encode_streams,
+        eod_first_note,
+        packed_streams,
+        read_dataset,
+        read_files,
+    )
 
+    message = eod_first_note(args.checkpoint, args.eod_first)
+    if message:
+        note(args.command, message)
     if args.packed:
-        return packed_streams(args.packed, checkpoint.tokenizer, sinks, max_tokens)
+        return packed_streams(args.packed, checkpoint.tokenizer, sinks, max_tokens,
+                              eod_first=args.eod_first)
     documents: Iterator[tuple[str, str]] = (
         read_files(args.text) if args.text else read_dataset(args.dataset, args.text_column)
     )
@@ -166,7 +193,8 @@ def run_stream_eval(args: argparse.Namespace) -> int:
     sinks = SinkPrefix(checkpoint.sink_token_ids)
     streams = _streams(args, checkpoint, sinks, args.max_tokens)
     longest = max(s.tokens for s in streams)
-    for warning in check_policies(policies, longest, config.max_seq_len, len(sinks)):
+    for warning in check_policies(policies, longest, config.max_seq_len, len(sinks),
+                                  learned_positions=config.learned_positions):
         warn(command, warning)
 
     def report(result: CacheResult) -> None:
@@ -182,6 +210,7 @@ def run_stream_eval(args: argparse.Namespace) -> int:
         "checkpoint": args.checkpoint,
         "model": checkpoint.describe(),
         "sink_token_ids": checkpoint.sink_token_ids,
+        "eod_first": args.eod_first,
         "tokens": sum(s.text_tokens - 1 for s in streams),
         "text_tokens": sum(s.text_tokens for s in streams),
         "streams": [{"name": s.name, "text_tokens": s.text_tokens} for s in streams],
@@ -244,6 +273,7 @@ def run_sinks(args: argparse.Namespace) -> int:
         "checkpoint": args.checkpoint,
         "model": checkpoint.describe(),
         "sink_token_ids": sink_ids,
+        "eod_first": args.eod_first,
         **report.to_json(),
         "plots": plots,
     }

@@ -187,7 +187,8 @@ def run_generate(args: argparse.Namespace) -> int:
                                  add_special_tokens=False).ids for turn in turns]
     longest = (len(sinks) + len(prompt_ids) + sum(map(len, turn_ids))
                + args.max_new_tokens * max(1, len(turns)))
-    for warning in check_policies([policy], longest, config.max_seq_len, len(sinks)):
+    for warning in check_policies([policy], longest, config.max_seq_len, len(sinks),
+                                  learned_positions=config.learned_positions):
         warn(COMMAND, warning)
     if isinstance(policy, StartRecent) and policy.start < len(sinks):
         warn(COMMAND, f"cache {policy.label} keeps {policy.start} of the model's {len(sinks)} "

@@ -83,6 +83,8 @@ COMMANDS = (
             "zero-shot benchmarks through lm-eval, sink ids in front of every request"),
     Command("compare", "sinklm.cli.compare:define_compare",
             "compare checkpoints: streaming perplexity, sinks and zero-shot in one report"),
+    Command("sweep", "sinklm.cli.sweep:define_sweep",
+            "train sink-lab models over a grid of settings and tabulate first-token dependence"),
     Command("slurm-submit", "sinklm.cli.slurm:define_slurm_submit",
             "render an sbatch script for a training config and submit it"),
     Command("demo", "sinklm.cli.demo:define_demo",

@@ -5,6 +5,11 @@ collator puts the sink ids in front, so every sequence is exactly ``seq_len`` lo
 with them. Consecutive windows share one token (as Megatron's samples do), so every token of
 the stream is a target once, and once more from the sink at the start of the next window.
 
+Where windows start (``windows``): ``stream`` cuts a fixed grid over the packed stream, so a
+window mostly starts mid-document; ``documents`` starts one at every document start (the
+end-of-document id that closed the previous document, or the split's first token) and every T
+tokens after it within that document, as packed pretraining with document separators does.
+
 The order is a permutation fixed by (seed, epoch), dealt across ranks without overlap, and the
 loader remembers how far it got: ``state_dict``/``load_state_dict`` on the loader is the
 protocol Lightning 2.x looks for on each train dataloader (``_Stateful``), saving the state in
@@ -13,7 +18,7 @@ every checkpoint and restoring it before the first batch when a fit resumes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +33,11 @@ from .packing import read_meta
 from .sinks import SinkPrefix
 
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: positions without a target
+# How training windows meet documents: a fixed grid over the stream, or one at every document
+# start (see the module's docstring).
+WINDOWS = ("stream", "documents")
+# Tokens read at a time when finding document starts: memory stays O(windows), not O(tokens).
+SCAN_TOKENS = 1 << 24
 
 
 class WindowDataset(Protocol):
@@ -53,11 +63,60 @@ def text_tokens(seq_len: int, sink_tokens: int) -> int:
     return seq_len - sink_tokens
 
 
+def check_windows(windows: str, setting: str = "windows") -> str:
+    """``windows`` if it is one of :data:`WINDOWS`, else a DataError naming them."""
+    if windows not in WINDOWS:
+        raise DataError(
+            f"{setting}={windows!r}: unknown; use one of {', '.join(WINDOWS)} (stream: a fixed "
+            "grid over the packed stream; documents: a window at every document start)"
+        )
+    return windows
+
+
+def _grid(starts: np.ndarray, ends: np.ndarray, step: int) -> np.ndarray:
+    """``start, start + step, ...`` below ``end`` for each (start, end), in order."""
+    counts = (ends - starts + step - 1) // step
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + (np.arange(int(counts.sum())) - firsts) * step
+
+
+def document_window_starts(
+    chunks: Iterable[np.ndarray], total: int, eod_id: int, window: int
+) -> np.ndarray:
+    """Where the windows of ``windows="documents"`` start in a split of ``total`` tokens.
+
+    A document starts at the split's first token and at every ``eod_id`` (the window begins
+    with the end-of-document id that closed the previous document); it ends where the next one
+    starts. Its windows start at its start and every ``window`` tokens after it within it (the
+    last may run into the next document); starts whose ``window + 1`` tokens would run past the
+    split's end are dropped. ``chunks`` are the split's tokens in order, in pieces of any size:
+    memory is O(windows) however long the split.
+    """
+    pieces: list[np.ndarray] = []
+    current, offset = 0, 0  # the start of the document being read; tokens read so far
+    for chunk in chunks:
+        eods = np.flatnonzero(chunk == eod_id).astype(np.int64) + offset
+        offset += len(chunk)
+        eods = eods[eods > current]  # an id at the split's very first token starts no new one
+        if eods.size:
+            pieces.append(_grid(np.concatenate([[current], eods[:-1]]), eods, window))
+            current = int(eods[-1])
+    if offset != total:
+        raise DataError(f"read {offset} tokens of a split that should hold {total}; the packed "
+                        "folder is damaged, rebuild it with `sinklm prepare-data ... --overwrite`")
+    pieces.append(_grid(np.array([current], np.int64), np.array([total], np.int64), window))
+    starts = np.concatenate(pieces)
+    # Sorted: only the last few can run past the end.
+    return starts[: int(np.searchsorted(starts, total - window, side="left"))]
+
+
 class PackedDataset(Dataset):
     """Windows of ``seq_len - sink_tokens + 1`` tokens over one split of a packed folder.
 
-    Item ``i`` is tokens [i*T, i*T + T + 1) of the split's stream (T text tokens per window),
-    read from the memory-mapped shards (a window may straddle two shards). Pass
+    With ``windows="stream"`` item ``i`` is tokens [i*T, i*T + T + 1) of the split's stream
+    (T text tokens per window); with ``windows="documents"`` it is the T + 1 tokens from the
+    i-th start of :func:`document_window_starts`, found once, scanning the shards in chunks.
+    Tokens are read from the memory-mapped shards (a window may straddle two shards). Pass
     ``tokenizer_hash`` to refuse shards built with another tokenizer.
     """
 
@@ -68,11 +127,13 @@ class PackedDataset(Dataset):
         seq_len: int = 2048,
         sink_tokens: int = 0,
         tokenizer_hash: str | None = None,
+        windows: str = "stream",
     ) -> None:
         self.directory = Path(directory)
         self.split = split
         self.seq_len = seq_len
         self.sink_tokens = sink_tokens
+        self.windows = check_windows(windows)
         self.window = text_tokens(seq_len, sink_tokens)
         meta = read_meta(self.directory)
         if tokenizer_hash is not None and meta["tokenizer_hash"] != tokenizer_hash:
@@ -97,9 +158,36 @@ class PackedDataset(Dataset):
         sizes = [shard["tokens"] for shard in info["shards"]]
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self._maps: list[np.memmap] | None = None
+        self.window_starts: np.ndarray | None = None  # set for windows="documents"
+        if self.windows == "documents":
+            if meta.get("eod_id") is None:
+                raise DataError(
+                    f"{self.directory}: meta.json records no eod_id, so its documents cannot be "
+                    "found for windows=documents; re-pack it with `sinklm prepare-data ... "
+                    "--overwrite`, or use windows=stream"
+                )
+            self.window_starts = document_window_starts(
+                self._scan(), self.num_tokens, int(meta["eod_id"]), self.window
+            )
+
+    def _scan(self) -> Iterator[np.ndarray]:
+        """The split's tokens in order, ``SCAN_TOKENS`` at a time (maps closed afterwards)."""
+        for file in self._files:
+            tokens = np.memmap(file, dtype=self.dtype, mode="r")
+            for start in range(0, len(tokens), SCAN_TOKENS):
+                yield np.asarray(tokens[start : start + SCAN_TOKENS])
+            del tokens
 
     def __len__(self) -> int:
+        if self.window_starts is not None:
+            return len(self.window_starts)
         return (self.num_tokens - 1) // self.window
+
+    def start(self, index: int) -> int:
+        """Where window ``index`` starts in the split's stream."""
+        if self.window_starts is not None:
+            return int(self.window_starts[index])
+        return index * self.window
 
     def _shards(self) -> list[np.memmap]:
         # Opened lazily, so each worker process maps the files itself instead of pickling them.
@@ -113,7 +201,7 @@ class PackedDataset(Dataset):
     def __getitem__(self, index: int) -> np.ndarray:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range [0, {len(self)})")
-        return self.tokens(index * self.window, self.window + 1)
+        return self.tokens(self.start(index), self.window + 1)
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """``count`` tokens of the split's stream from ``start``, across shard boundaries."""

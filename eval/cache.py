@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sinklm.cli.main import UserError
+from sinklm.models.config import PositionError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -35,6 +36,10 @@ SPEC_HELP = "X+Y with integers X, Y >= 0 (e.g. 4+1020), 'dense', or 'recompute:L
 
 class CacheSpecError(UserError, ValueError):
     """A cache spec string is malformed; the message quotes it and shows the accepted forms."""
+
+
+class CachePositionError(CacheSpecError, PositionError):
+    """A cache's queries reach positions a model with ``learned_positions`` cannot embed."""
 
 
 @dataclass(frozen=True)
@@ -140,11 +145,36 @@ def paper_caches(size: int) -> list[CachePolicy]:
     return [StartRecent(x, size - x) for x in (0, 1, 2, 4) if size > 0 and x <= size] + [Dense()]
 
 
+def check_learned_positions(policies: list[CachePolicy], longest: int, max_seq_len: int) -> None:
+    """Refuse, for a model with learned absolute positions (a table of ``max_seq_len`` rows), a
+    cache whose queries reach a position past the table on a stream of ``longest`` tokens (its
+    last token is no query: it predicts nothing)."""
+    for policy in policies:
+        top = policy.max_position(longest - 1)
+        if top < max_seq_len:
+            continue
+        if isinstance(policy, StartRecent):
+            fix = f"use caches of at most {max_seq_len - 1} tokens (x+y <= {max_seq_len - 1})"
+        elif isinstance(policy, Recompute):
+            fix = f"use a recompute window of at most {max_seq_len} tokens"
+        else:
+            fix = (f"use x+y caches of at most {max_seq_len - 1} tokens and no dense, or streams "
+                   f"of at most {max_seq_len + 1} tokens")
+        raise CachePositionError(
+            f"cache {policy.label}: queries reach position {top}, but learned_positions embeds "
+            f"only positions 0..{max_seq_len - 1}; {fix}"
+        )
+
+
 def check_policies(
-    policies: list[CachePolicy], longest: int, max_seq_len: int, n_sink_ids: int
+    policies: list[CachePolicy], longest: int, max_seq_len: int, n_sink_ids: int, *,
+    learned_positions: bool = False,
 ) -> list[str]:
-    """Refuse a recompute window that cannot hold the sink ids; return warnings for caches
-    whose queries reach positions the model was not trained on."""
+    """Refuse a recompute window that cannot hold the sink ids and, with ``learned_positions``
+    (the model's config), queries past its position table (:func:`check_learned_positions`);
+    return warnings for caches whose queries reach positions the model was not trained on."""
+    if learned_positions:
+        check_learned_positions(policies, longest, max_seq_len)
     warnings = []
     for policy in policies:
         if isinstance(policy, Recompute) and policy.window <= n_sink_ids:

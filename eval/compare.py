@@ -55,6 +55,7 @@ from .texts import (
     check_files,
     check_packed_tokenizer,
     encode_streams,
+    eod_first_note,
     packed_streams,
     read_files,
 )
@@ -66,13 +67,15 @@ class CompareError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    """What a comparison measures: streams of ``texts`` (files) or of a ``packed`` split.
-    ``caches`` None: the paper's grid for half the shortest trained context of the
-    checkpoints; ``tasks`` empty: no zero-shot."""
+    """What a comparison measures: streams of ``texts`` (files) or of a ``packed`` split
+    (with ``eod_first``, each document led by its end-of-document id, as models trained with
+    ``data.windows: documents`` saw them). ``caches`` None: the paper's grid for half the
+    shortest trained context of the checkpoints; ``tasks`` empty: no zero-shot."""
 
     texts: tuple[Path, ...]
     caches: tuple[CachePolicy, ...] | None = None
     packed: str | None = None  # DIR[:split] of packed token ids, instead of texts
+    eod_first: bool = False  # packed documents keep the end-of-document id in front
     max_tokens: int | None = None
     tasks: tuple[str, ...] = ()
     data_dir: Path | None = None
@@ -125,6 +128,10 @@ def _warn(message: str) -> None:
     tqdm.write(f"sinklm compare: warning: {message}", file=sys.stderr)
 
 
+def _note(message: str) -> None:
+    tqdm.write(f"sinklm compare: note: {message}", file=sys.stderr)
+
+
 def _load(spec: str, settings: Settings) -> Checkpoint:
     return load_checkpoint(spec, device=settings.device, dtype=DTYPES[settings.dtype])
 
@@ -141,7 +148,8 @@ def _streams(checkpoint: Checkpoint, settings: Settings, sinks: SinkPrefix,
              max_tokens: int | None) -> list[Stream]:
     """The evaluation streams in this checkpoint's tokens, ``sinks`` in front."""
     if settings.packed is not None:
-        return packed_streams(settings.packed, checkpoint.tokenizer, sinks, max_tokens)
+        return packed_streams(settings.packed, checkpoint.tokenizer, sinks, max_tokens,
+                              eod_first=settings.eod_first)
     return encode_streams(read_files(list(settings.texts)), checkpoint.tokenizer, sinks,
                           max_tokens)
 
@@ -154,9 +162,9 @@ def _stream(model: ModelCache, checkpoint: Checkpoint, policies: Sequence[CacheP
     streams = _streams(checkpoint, settings, sinks, settings.max_tokens)
     longest = max(s.tokens for s in streams)
     try:
-        warnings = check_policies(
-            list(policies), longest, checkpoint.model.config.max_seq_len, len(sinks)
-        )
+        config = checkpoint.model.config
+        warnings = check_policies(list(policies), longest, config.max_seq_len, len(sinks),
+                                  learned_positions=config.learned_positions)
     except CacheSpecError as error:
         raise CompareError(f"{model.spec}: {error}") from error
     for warning in warnings:
@@ -248,6 +256,9 @@ def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
     out = check_output(output, overwrite)
     if (settings.packed is None) == (not settings.texts):
         raise CompareError("give the texts to stream (files) or a packed split, not both")
+    if settings.eod_first and settings.packed is None:
+        raise CompareError("eod_first keeps the end-of-document ids of packed data in front of "
+                           "each document: use it with a packed split (--packed DIR[:split])")
     check_files(list(settings.texts))
     specs: dict[str, str | dict[str, Any]] = {}
     if settings.tasks:
@@ -261,6 +272,10 @@ def compare(checkpoints: Sequence[str], output: Path, settings: Settings,
     for i, model in enumerate(models):
         if model.identity in [m.identity for m in models[:i]]:
             raise CompareError(f"checkpoint {checkpoints[i]} is given twice")
+    for spec in checkpoints:  # the streams stay as asked: a note, no silent change
+        message = eod_first_note(spec, settings.eod_first)
+        if message:
+            _note(message)
     text = text_identity(settings)
     changed = changed_inputs(out, report_inputs(models, settings, text))
     if changed and not overwrite:

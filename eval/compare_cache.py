@@ -44,7 +44,8 @@ SINK_EPS = 0.3
 # What a cached model description holds: its fields and the sink probe's training record.
 MODEL_SETTING = {"fields": ["describe", "sink_token_ids", "training_sinks"]}
 
-# A text's identity: a file by name and content hash, or a packed split by its fingerprints.
+# A text's identity: a file by name and content hash, or a packed split by its fingerprints
+# (and ``eod_first: true`` when its documents keep the end-of-document id in front).
 Text = list[dict[str, str]]
 
 
@@ -77,12 +78,14 @@ def checkpoint_identity(spec: str) -> dict[str, Any]:
 
 def text_identity(settings: Settings) -> Text:
     """Each text by name and content hash (a moved copy of a book keeps its results), or the
-    packed split by its source fingerprint and tokenizer."""
+    packed split by its source fingerprint and tokenizer, marked when its documents keep the
+    end-of-document id in front (only then: results cached without it stay valid)."""
     if settings.packed is not None:
         meta = check_packed(settings.packed)
         folder, split = split_packed_spec(settings.packed)
-        return [{"packed": folder.name, "split": split, "source": meta["source_fingerprint"],
-                 "tokenizer": meta["tokenizer_hash"]}]
+        text = {"packed": folder.name, "split": split, "source": meta["source_fingerprint"],
+                "tokenizer": meta["tokenizer_hash"]}
+        return [{**text, "eod_first": True} if settings.eod_first else text]
     return [{"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
             for p in settings.texts]
 

@@ -51,6 +51,7 @@ class Report:
     training_sinks_table: str | None  # when checkpoints carry the sink probe's record
     findings: list[str]  # measured sentences on what the streaming table shows
     files: dict[str, str]
+    sinks: dict[str, dict[str, Any]]  # each model's whole sink measurement, by label
     computed: int
     reused: int
 
@@ -127,8 +128,13 @@ def changed_inputs(out: Path, inputs: dict[str, Any]) -> list[str]:
 
 
 def text_names(text: Text) -> str:
-    """The texts as a reader knows them: file names, or DIR:split."""
-    return ", ".join(t["file"] if "file" in t else f"{t['packed']}:{t['split']}" for t in text)
+    """The texts as a reader knows them: file names, or DIR:split (noting documents that keep
+    the end-of-document id in front)."""
+    return ", ".join(t["file"] if "file" in t else
+                     f"{t['packed']}:{t['split']}"
+                     + (" (each document led by its end-of-document id)" if t.get("eod_first")
+                        else "")
+                     for t in text)
 
 
 def _plot_training_sinks(training: dict[str, list[dict[str, Any]]], path: Path) -> None:
@@ -333,7 +339,8 @@ def report_document(report: Report, measured: Measured) -> dict[str, Any]:
              "cache": str(m.folder)}
             for label, m in measured.labelled
         ],
-        "streaming": {"text": measured.text, "max_tokens": settings.max_tokens,
+        "streaming": {"text": measured.text, "eod_first": settings.eod_first,
+                      "max_tokens": settings.max_tokens,
                       "dtype": settings.dtype, "caches": [p.label for p in measured.caches],
                       "results": measured.rows, "findings": report.findings},
         "sinks": {label: {**{k: sinks[k] for k in ("window", "windows", "eps", "sink_rate",
@@ -364,7 +371,7 @@ def report_tables(out: Path, measured: Measured, computed: int, reused: int) -> 
         sinks_table=sinks_markdown(measured.sinks),
         training_sinks_table=training_sinks_markdown(training) if training else None,
         findings=model_findings(measured.streams, measured.sinks, context),
-        files={}, computed=computed, reused=reused,
+        files={}, sinks=measured.sinks, computed=computed, reused=reused,
     )
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from sinklm.data.sinks import SinkPrefix
 from sinklm.models import CausalLM, KVCache
 
-from .cache import CachePolicy, Recompute, StartRecent
+from .cache import CachePolicy, Recompute, StartRecent, check_learned_positions
 from .scoring import (
     NO_SINKS,
     Progress,
@@ -82,6 +82,8 @@ def fast_losses(
     ids = stream_ids(model, text, sinks)
     if chunk_size < 1:
         raise StreamError(f"chunk_size={chunk_size}: must be >= 1")
+    if model.config.learned_positions:
+        check_learned_positions([policy], len(ids), model.config.max_seq_len)
     progress = progress or no_progress
     if isinstance(policy, Recompute):
         return _recompute_fast(model, ids, policy, sinks, progress)

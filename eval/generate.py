@@ -22,8 +22,9 @@ from torch import Tensor
 
 from sinklm.cli.main import UserError
 from sinklm.models import CausalLM, KVCache
+from sinklm.models.config import check_embeddable
 
-from .cache import Dense, StartRecent
+from .cache import Dense, StartRecent, check_learned_positions
 from .start_recent import StartRecentCache
 
 # Ids per forward when feeding a prompt: long chunks amortise the per-call overhead and the
@@ -83,9 +84,15 @@ class Session:
 
     A drawn token is fed before whatever comes next (the next draw or the next :meth:`feed`),
     so the stream is every fed and drawn id in order, as the reference evaluator would read it.
+    A model with learned positions is refused an ``x+y`` cache whose queries would reach past
+    its position table (once the stream fills it), and ``dense`` ids past the table.
     """
 
     def __init__(self, model: CausalLM, policy: StartRecent | Dense, sampling: Sampling) -> None:
+        config = model.config
+        if config.learned_positions and isinstance(policy, StartRecent):
+            # A stream long enough to fill the cache, as an endless one does: queries at x+y.
+            check_learned_positions([policy], policy.size + 2, config.max_seq_len)
         self.model = model
         self.policy = policy
         self.sampling = sampling
@@ -114,6 +121,11 @@ class Session:
         stream = ([] if self.pending is None else [self.pending]) + list(ids)
         if not stream:
             raise GenerateError("nothing to feed: an empty prompt needs a model with sink ids")
+        if isinstance(self.policy, Dense):
+            limit = self.model.config.max_seq_len - 1
+            check_embeddable(self.model.config, self.tokens + len(stream) - 1, "cache dense: ids",
+                             f"generate with an x+y cache of at most {limit} tokens (x+y <= "
+                             f"{limit}), as the default cache is")
         self.pending = None
         tensor = torch.tensor(stream, dtype=torch.long, device=self.device)
         for a in range(0, len(stream), FEED_CHUNK):

@@ -14,7 +14,7 @@ from torch import Tensor
 from sinklm.data.sinks import SinkPrefix
 from sinklm.models import CausalLM, KVCache
 
-from .cache import CachePolicy, Dense, Recompute, StartRecent
+from .cache import CachePolicy, Dense, Recompute, StartRecent, check_learned_positions
 from .scoring import (
     NO_SINKS,
     Progress,
@@ -37,6 +37,8 @@ def reference_losses(model: CausalLM, text: Tensor, policy: CachePolicy,
     position 0). ``progress`` is told of each scored token.
     """
     ids = stream_ids(model, text, sinks)
+    if model.config.learned_positions:
+        check_learned_positions([policy], len(ids), model.config.max_seq_len)
     n_sink_ids = len(sinks)
     progress = progress or no_progress
     if isinstance(policy, Recompute):
@@ -54,14 +56,17 @@ def reference_logits(model: CausalLM, text: Tensor, policy: StartRecent | Dense,
     """The logits [vocab] of each query of the stream (sink ids, then ``text``) in order, the
     last token excepted: what teacher forcing through the reference gives, e.g. to check a
     generation step by step."""
-    return _decode(model, stream_ids(model, text, sinks), policy)
+    ids = stream_ids(model, text, sinks)
+    if model.config.learned_positions:
+        check_learned_positions([policy], len(ids), model.config.max_seq_len)
+    return _decode(model, ids, policy)
 
 
 @torch.inference_mode()
 def _decode(model: CausalLM, ids: Tensor, policy: StartRecent | Dense) -> Iterator[Tensor]:
     """Token by token with the model's ``KVCache``: before each token the policy's evictions,
     then cached positions re-assigned to 0..len-1 (dense keeps true positions, which are the
-    same numbers) and the token at the next position."""
+    same numbers) and the token at the next position, which learned positions embed too."""
     cache = KVCache(model.config.n_layer)
     for t in range(len(ids) - 1):
         if isinstance(policy, StartRecent):

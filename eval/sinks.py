@@ -28,6 +28,7 @@ from torch import Tensor
 from sinklm.data.sinks import SinkPrefix
 from sinklm.data.synthetic import trigger_token_ids
 from sinklm.models import CausalLM
+from sinklm.models.config import check_embeddable
 from sinklm.models.load import Checkpoint
 
 from .plots import figure
@@ -160,6 +161,9 @@ def measure_sinks(
 ) -> SinkReport:
     """Attention statistics of ``model`` on ``windows`` (token ids) with per-position classes;
     with ``trigger_ids`` (Bigram-Backcopy), also per trigger / non-trigger query."""
+    longest = max(len(w) for w in windows)
+    check_embeddable(model.config, longest - 1, f"windows of {longest} tokens",
+                     f"use windows of at most {model.config.max_seq_len} tokens")
     device = next(model.parameters()).device
     n_layer, n_head = model.config.n_layer, model.config.n_head
     has_sink = model.config.attention.softmax in ("softmax1", "sink_logit")

@@ -20,6 +20,13 @@ One token at a time (generation) takes another layout, :class:`Ring`: re-rotatin
 keys at every token would cost more than the token's own projections, so there each recent key
 is rotated once, at its stream index, and the query at its own; the score depends only on their
 distance, as in the band. The keys before rotary are kept beside, for the next chunk.
+
+A model with learned absolute positions embeds the token at stream index ``j`` at ``P_j`` too
+(:meth:`StartRecentCache.query_positions`, the same in both layouts): the position it enters
+the cache at, as the token-by-token reference gives it. Stream tokens 0..x+y-1 get rows
+0..x+y-1 and every later token row x + y; a token's row stays in everything it leaves in the
+cache, wherever positions are re-assigned later, so only the stream's true first tokens carry
+row 0.
 """
 
 from __future__ import annotations
@@ -189,12 +196,17 @@ class StartRecentCache:
             self.scratch = like.new_empty(numel)
         return self.scratch[:numel]
 
+    def query_positions(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """[1, T]: the next tokens' positions as queries, ``P_j = min(j, x + y)``."""
+        _check_input(input_ids, position_ids, None)
+        index = self.next_index
+        positions = torch.arange(index, index + input_ids.shape[1], device=input_ids.device)
+        return positions.clamp_(max=self.policy.size)[None]
+
     def step(self, rotary: RotaryEmbedding, input_ids: Tensor, position_ids: Tensor | None,
              dtype: torch.dtype, attentions: list[Tensor] | None) -> LayerAttention:
         """The next ``input_ids`` [1, T] of the stream: positions are the cache's to assign."""
-        if input_ids.shape[0] != 1 or position_ids is not None or attentions is not None:
-            raise ValueError("a start+recent cache takes one stream [1, T], assigns positions "
-                             "itself and returns no attention probabilities")
+        _check_input(input_ids, position_ids, attentions)
         index, size = self.next_index, input_ids.shape[1]
         if size == 1 and index >= self.policy.start:  # past the initial tokens: a ring step
             return self._ring_step(rotary, index, dtype, input_ids.device)
@@ -354,6 +366,13 @@ class StartRecentCache:
                 out[head].view(padded, d).addmm_(probs.view(padded, -1)[:, first:prefix],
                                                  layer.initial_v[head])
         return attn.output(out.view(h, padded, d)[:, :c], x_in)
+
+
+def _check_input(input_ids: Tensor, position_ids: Tensor | None,
+                 attentions: list[Tensor] | None) -> None:
+    if input_ids.shape[0] != 1 or position_ids is not None or attentions is not None:
+        raise ValueError("a start+recent cache takes one stream [1, T], assigns positions "
+                         "itself and returns no attention probabilities")
 
 
 def _exact_rope(rotary: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) -> Rope:

@@ -18,7 +18,7 @@ import torch
 
 from sinklm.models import CausalLM
 
-from .cache import CachePolicy, Recompute, StartRecent
+from .cache import CachePolicy, Recompute, StartRecent, check_learned_positions
 from .fast import DEFAULT_CHUNK, fast_losses
 from .reference import reference_losses
 from .texts import Stream
@@ -81,9 +81,13 @@ def evaluate(
 ) -> list[CacheResult]:
     """Every policy on every stream; with ``progress``, a bar per cache on stderr with tokens/s
     when stderr is a terminal (a bar's redraws would run into the lines of a log file, where
-    ``on_result`` gives a line per cache)."""
+    ``on_result`` gives a line per cache). A model with learned positions has every policy
+    checked against its position table first, so a cache it cannot run is refused before any."""
     from tqdm import tqdm
 
+    config = model.config
+    if config.learned_positions and streams:
+        check_learned_positions(policies, max(s.tokens for s in streams), config.max_seq_len)
     results = []
     scored = sum(stream.text_tokens - 1 for stream in streams)
     for policy in policies:

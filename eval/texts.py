@@ -225,17 +225,61 @@ def check_packed_tokenizer(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def packed_streams(
-    spec: str, tokenizer: Tokenizer, sinks: SinkPrefix, max_tokens: int | None = None
+    spec: str, tokenizer: Tokenizer, sinks: SinkPrefix, max_tokens: int | None = None,
+    eod_first: bool = False,
 ) -> list[Stream]:
     """Streams of the documents of a packed split (the ids as packed, split at end-of-document),
-    for a model whose tokenizer is the one the folder was packed with."""
+    for a model whose tokenizer is the one the folder was packed with.
+
+    ``eod_first`` keeps the end-of-document id that precedes each document as its first token
+    (the first document, which has none in the split, gets one too), as a model trained with
+    ``data.windows: documents`` saw documents start; else the ids are dropped.
+    """
     meta = check_packed_tokenizer(spec, tokenizer)
     folder, split = split_packed_spec(spec)
     # A document needs at most max_tokens + its end-of-document id; read no more than that.
     reach = None if max_tokens is None else max_tokens + meta["splits"][split]["documents"]
     tokens = read_split(folder, split, reach)
-    # Piece i > 0 starts with the end-of-document id that closed document i - 1.
-    pieces = np.split(tokens, np.flatnonzero(tokens == meta["eod_id"]))
-    documents = ((f"{folder.name}:{split}[{i}]", piece[1:] if i else piece)
-                 for i, piece in enumerate(pieces))
+    eod = meta["eod_id"]
+    if eod_first:  # document 0 starts like the others
+        tokens = np.concatenate([np.array([eod], tokens.dtype), tokens])
+    # Piece i > 0 starts with the end-of-document id that closed document i - 1 (with
+    # eod_first, piece 0 is empty and piece i is document i - 1 with that id in front).
+    pieces = np.split(tokens, np.flatnonzero(tokens == eod))
+    if eod_first:
+        # The piece after the split's last id (a lone id) holds no document.
+        documents = ((f"{folder.name}:{split}[{i}]", piece)
+                     for i, piece in enumerate(pieces[1:]) if len(piece) > 1)
+    else:
+        documents = ((f"{folder.name}:{split}[{i}]", piece[1:] if i else piece)
+                     for i, piece in enumerate(pieces))
     return _streams(documents, sinks, max_tokens)
+
+
+def trained_windows(spec: str) -> str | None:
+    """The ``data.windows`` a `sinklm fit` checkpoint (.ckpt) was trained with: recorded in its
+    data identity and hyperparameters; None for other checkpoints (folders, Hub ids)."""
+    from sinklm.models.checkpoint import DATA_KEY, CheckpointFormatError, read_checkpoint
+    from sinklm.models.load import CheckpointError, locate
+
+    try:
+        where = locate(spec)
+        if where.kind != "ckpt":
+            return None
+        checkpoint = read_checkpoint(where.path)
+    except (CheckpointError, CheckpointFormatError):
+        return None  # loading the model says what is wrong with it
+    for record in (checkpoint.get(DATA_KEY), checkpoint.get("datamodule_hyper_parameters")):
+        if isinstance(record, dict) and record.get("windows") is not None:
+            return str(record["windows"])
+    return None
+
+
+def eod_first_note(spec: str, eod_first: bool) -> str | None:
+    """A note when ``spec`` was trained with windows starting at documents but its streams
+    will not start with the end-of-document id (no ``--eod-first``); else None."""
+    if eod_first or trained_windows(spec) != "documents":
+        return None
+    return (f"{spec} was trained with data.windows: documents (every window starting with "
+            "the end-of-document id); pass --packed DIR --eod-first to evaluate documents as "
+            "it saw them")

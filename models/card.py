@@ -28,6 +28,11 @@ ATTENTION = {
     "sink_logit": "one learned sink logit per head in the softmax denominator (as gpt-oss)",
     "gated": "a sigmoid gate on each head's output (Gated Attention)",
 }
+# The learned_positions research option as the card describes it.
+LEARNED_POSITIONS = (
+    "learned absolute position embeddings (a research option, GPT-2/OPT style: one learned row "
+    "per position 0..context-1 added to the token embedding, on top of rotary)"
+)
 
 
 def model_card(
@@ -45,6 +50,8 @@ def model_card(
             "custom_generate"]
     if config.sink_tokens:
         tags.append("sink-token")
+    if config.learned_positions:
+        tags.append("learned-positions")
     if remote:
         tags.append("custom_code")
     front = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
@@ -59,7 +66,8 @@ def model_card(
         f"# {checkpoint.name}",
         "",
         f"A Pythia-style (GPT-NeoX) language model trained with sinklm: attention "
-        f"`{softmax}` ({ATTENTION[softmax]}), {config.sink_tokens} sink token(s).",
+        f"`{softmax}` ({ATTENTION[softmax]}), {config.sink_tokens} sink token(s)"
+        + (f", and {LEARNED_POSITIONS}" if config.learned_positions else "") + ".",
         "",
         "## Use",
         "",
@@ -83,11 +91,13 @@ def model_card(
             "",
         ]
     if remote:
+        lacks = [f"`{softmax}` attention"] if softmax != "softmax" else []
+        if config.learned_positions:
+            lacks.append("learned absolute position embeddings")
         lines += [
-            f"`{softmax}` attention is not something `GPTNeoXForCausalLM` computes, so this "
-            "folder ships sinklm's network (`model.py`, `attention.py`, `config.py`, "
-            "`convert.py`, `compat.py`) with a thin transformers wrapper "
-            "(`modeling_sinklm.py`); loading "
+            f"`GPTNeoXForCausalLM` cannot compute {' and '.join(lacks)}, so this folder ships "
+            "sinklm's network (`model.py`, `attention.py`, `config.py`, `convert.py`, "
+            "`compat.py`) with a thin transformers wrapper (`modeling_sinklm.py`); loading "
             "(model and tokenizer: transformers reads the config for both) needs "
             "`trust_remote_code=True` and works offline. Plain `generate` recomputes the whole "
             "sequence at each step and padded batches are refused; streaming generation "
@@ -149,6 +159,10 @@ def _model_table(checkpoint: Checkpoint) -> list[str]:
         "vocabulary": f"{config.vocab_size} embedding rows",
         "weights": f"{str(next(model.parameters()).dtype).removeprefix('torch.')} safetensors",
     }
+    if config.learned_positions:
+        rows["learned positions"] = (f"{config.max_seq_len} learned absolute position rows "
+                                     "added to the token embedding, on top of rotary (research "
+                                     "option)")
     return ["## Model", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows.items()]
 
 

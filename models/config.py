@@ -49,6 +49,21 @@ class ConfigError(UserError, ValueError):
     """A configuration value is out of range; the message names the field and what is allowed."""
 
 
+class PositionError(ConfigError):
+    """A token was given a position a model with ``learned_positions`` cannot embed; the
+    message names the position, the embedded range and what to change."""
+
+
+def check_embeddable(config: ModelConfig, top: int, what: str, fix: str) -> None:
+    """Refuse position ``top`` (the largest ``what`` reaches) if the model's learned position
+    table has no row for it; ``fix`` says what to change. Nothing for rotary-only models."""
+    if config.learned_positions and top >= config.max_seq_len:
+        raise PositionError(
+            f"{what} reach position {top}, but learned_positions embeds only positions "
+            f"0..{config.max_seq_len - 1} (max_seq_len={config.max_seq_len}); {fix}"
+        )
+
+
 @dataclass
 class AttentionConfig:
     """How attention normalises scores and which kernel computes it.
@@ -84,6 +99,11 @@ class ModelConfig:
     use_parallel_residual: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     sink_tokens: int = 0
+    # Research option, not Pythia's: GPT-2/OPT-style learned absolute position embeddings, a
+    # table of max_seq_len rows added to the token embedding (rotary still applies), so that a
+    # one-layer model can recognise position 0. Positions >= max_seq_len cannot be embedded.
+    # GPT-NeoX has no slot for the table: such a model exports only with sinklm's modeling code.
+    learned_positions: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.attention, dict):
@@ -161,12 +181,35 @@ class ModelConfig:
             raise ConfigError(
                 f"sink_tokens={self.sink_tokens} leaves no room in max_seq_len={self.max_seq_len}"
             )
+        if not isinstance(self.learned_positions, bool):
+            raise ConfigError(
+                f"learned_positions={self.learned_positions!r}: must be true or false"
+            )
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes``; ``attention`` may be a partial dict (``{"softmax": ...}``)."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys {unknown}; allowed {sorted(known)}")
         attention = changes.pop("attention", None)
         new_attention = dataclasses.replace(self.attention, **(attention or {}))
         return dataclasses.replace(self, attention=new_attention, **changes)
+
+    def changed_name(self, changes: dict[str, Any]) -> str:
+        """This preset's name with the network changes ``changes`` make to it, so that a
+        preset with other layers (say) is not reported under the preset's own name:
+        ``lab-1l+n_layer=2+learned_positions``. The attention variant and the sink ids are
+        named by the variant, the kernel by no one; neither enters the name."""
+        parts = [self.name]
+        for key, value in changes.items():
+            if key in ("name", "attention", "sink_tokens") or getattr(self, key, None) == value:
+                continue
+            if isinstance(value, bool):
+                parts.append(key if value else f"{key}=false")
+            else:
+                parts.append(f"{key}={value}")
+        return "+".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -180,11 +223,15 @@ class ModelConfig:
         return cls(**data)
 
     @classmethod
-    def from_preset(cls, name: str, variant: str | None = None, **changes: Any) -> ModelConfig:
-        """A preset size, optionally with a named variant (``vanilla``, ``zero_sink``, ...)."""
-        if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        config = cls(**PRESETS[name])
+    def from_preset(cls, preset: str, /, variant: str | None = None,
+                    **changes: Any) -> ModelConfig:
+        """A preset size, optionally with a named variant (``vanilla``, ``zero_sink``, ...)
+        and ``changes``, which name the result unless they name it themselves."""
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; available: {sorted(PRESETS)}")
+        config = cls(**PRESETS[preset])
+        if changes and "name" not in changes:
+            changes["name"] = config.changed_name(changes)
         if variant is not None:
             if variant not in VARIANTS:
                 raise ConfigError(f"unknown variant {variant!r}; available: {sorted(VARIANTS)}")
@@ -204,9 +251,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         name="tiny-5m", vocab_size=4096, n_layer=4, n_head=8, d_model=256, max_seq_len=512
     ),
     # The sink lab's model (configs/experiments/bb-*.yaml): one layer, one head, on the
-    # Bigram-Backcopy task's 66 ids plus room for sink ids.
+    # Bigram-Backcopy task's 66 ids plus room for sink ids, with GPT-NeoX's sequential block
+    # (the parallel one parks without needing the sink: README, the sink lab).
     "lab-1l": dict(
-        name="lab-1l", vocab_size=72, n_layer=1, n_head=1, d_model=128, max_seq_len=128
+        name="lab-1l", vocab_size=72, n_layer=1, n_head=1, d_model=128, max_seq_len=128,
+        use_parallel_residual=False,
     ),
     # 1.4M parameters: for tests and smoke runs that finish in seconds.
     "tiny-1m": dict(

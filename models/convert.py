@@ -3,8 +3,10 @@
 Our modules use transformers' weight names and fused per-head QKV layout, so converting is
 mostly checking: configs map field by field, and state dicts differ only in non-parameter
 buffers (older transformers versions saved causal-mask and rotary buffers) and, for variants
-GPT-NeoX cannot express, in their extra parameters (``sink_logit``, ``gate``). config.json's
-``sinklm`` block records what GPT-NeoX's fields cannot: the attention variant and the sink ids.
+GPT-NeoX cannot express, in their extra parameters (``sink_logit``, ``gate``, and the learned
+position table ``embed_positions`` of the ``learned_positions`` research option). config.json's
+``sinklm`` block records what GPT-NeoX's fields cannot: the attention variant, the sink ids and
+whether positions are learned.
 Exported folders ship this file, so the block is written and read here (through
 ``models.checkpoint``, which lists every on-disk key, for the rest of sinklm).
 """
@@ -31,13 +33,28 @@ HF_BUFFER_SUFFIXES = ("attention.bias", "attention.masked_bias", "rotary_emb.inv
 HF_MODEL_TYPES = ("gpt_neox", "sinklm")
 # Parameters only our variants have: a plain GPT-NeoX has no slot for them.
 VARIANT_PARAM_SUFFIXES = ("attention.sink_logit", "attention.gate.weight", "attention.gate.bias")
+# learned_positions' table: GPT-NeoX has rotary positions only.
+LEARNED_POSITION_PARAMS = ("gpt_neox.embed_positions.weight",)
 # config.json's block of an export: the attention variant and sink ids GPT-NeoX's fields lack.
 EXPORT_BLOCK_KEY = "sinklm"
 
 
 def needs_remote_code(config: ModelConfig) -> bool:
-    """Whether transformers needs sinklm's modeling code: GPT-NeoX computes plain softmax only."""
-    return config.attention.softmax != "softmax"
+    """Whether transformers needs sinklm's modeling code: GPT-NeoX computes plain softmax only,
+    with rotary positions only."""
+    return config.attention.softmax != "softmax" or config.learned_positions
+
+
+def remote_code_reason(config: ModelConfig) -> str:
+    """Why a plain GPTNeoXForCausalLM cannot compute ``config``'s model (for messages)."""
+    reasons = []
+    if config.attention.softmax != "softmax":
+        reasons.append(f"attention.softmax={config.attention.softmax!r}: a plain "
+                       "GPTNeoXForCausalLM computes vanilla softmax only")
+    if config.learned_positions:
+        reasons.append("learned_positions=True: a plain GPTNeoXForCausalLM has no learned "
+                       "position table (rotary only)")
+    return "; ".join(reasons)
 
 
 def export_block(
@@ -49,6 +66,7 @@ def export_block(
         "attention_softmax": config.attention.softmax,
         "sink_tokens": config.sink_tokens,
         "sink_token_ids": list(sink_ids),
+        "learned_positions": config.learned_positions,
         "sinklm_version": version,
     }
 
@@ -61,6 +79,7 @@ class ExportBlock(NamedTuple):
     softmax: str
     sink_tokens: int
     sink_ids: list[int]
+    learned_positions: bool = False  # absent from exports written before the option
 
 
 def read_export_block(hf_config: Any) -> ExportBlock:
@@ -74,8 +93,11 @@ def read_export_block(hf_config: Any) -> ExportBlock:
             f"config.json says sink_tokens={sink_tokens} but lists sink_token_ids={sink_ids}: "
             "the checkpoint's sinklm metadata is incomplete"
         )
+    learned = block.get("learned_positions", False)
+    if not isinstance(learned, bool):
+        raise ConfigError(f"config.json says learned_positions={learned!r}: must be true or false")
     return ExportBlock(block.get("name"), block.get("attention_softmax", "softmax"), sink_tokens,
-                       sink_ids)
+                       sink_ids, learned)
 
 
 def _rope_setting(hf_config: Any, key: str, legacy: str, default: float) -> float:
@@ -119,11 +141,13 @@ def config_from_hf(hf_config: GPTNeoXConfig, name: str | None = None) -> ModelCo
         use_parallel_residual=bool(getattr(hf_config, "use_parallel_residual", True)),
         attention={"softmax": block.softmax, "backend": "sdpa"},
         sink_tokens=block.sink_tokens,
+        learned_positions=block.learned_positions,
     )
 
 
 def hf_config_from(config: ModelConfig) -> GPTNeoXConfig:
-    """The transformers GPTNeoX config of our network (its attention variant aside)."""
+    """The transformers GPTNeoX config of our network (its attention variant and learned
+    positions aside: the ``sinklm`` block records those)."""
     from transformers import GPTNeoXConfig
 
     return GPTNeoXConfig(
@@ -167,6 +191,13 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, Tensor]:
             f"attention.softmax={model.config.attention.softmax!r} has parameters a plain "
             f"GPTNeoXForCausalLM cannot hold ({extra[0]}, ...); export it with its modeling code"
         )
+    positions = sorted(k for k in state if k in LEARNED_POSITION_PARAMS)
+    if positions:
+        raise ConfigError(
+            f"learned_positions=True has a parameter a plain GPTNeoXForCausalLM cannot hold "
+            f"({positions[0]}: GPT-NeoX has rotary positions only); export it with its "
+            "modeling code"
+        )
     return dict(state)
 
 
@@ -188,13 +219,13 @@ def from_hf_model(hf_model: GPTNeoXForCausalLM, backend: str = "sdpa") -> Causal
 
 
 def to_hf_model(model: CausalLM) -> GPTNeoXForCausalLM:
-    """A transformers GPTNeoXForCausalLM with our weights (softmax models only)."""
+    """A transformers GPTNeoXForCausalLM with our weights (softmax models with rotary
+    positions only)."""
     from transformers import GPTNeoXForCausalLM
 
     if needs_remote_code(model.config):
         raise ConfigError(
-            f"attention.softmax={model.config.attention.softmax!r}: a plain GPTNeoXForCausalLM "
-            "computes vanilla softmax only; export this variant with its modeling code"
+            f"{remote_code_reason(model.config)}; export this variant with its modeling code"
         )
     hf_model = GPTNeoXForCausalLM(hf_config_from(model.config))
     missing, unexpected = hf_model.load_state_dict(

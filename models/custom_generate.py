@@ -71,7 +71,9 @@ def generate(
     # be this function again, then without `custom_generate`.
     if not sizes or "custom_generate" in kwargs:
         return type(model).generate(model, inputs, generation_config, **sizes, **kwargs)
-    start, recent = check_sizes(start_size, recent_size, model.config.max_position_embeddings)
+    learned = bool((getattr(model.config, "sinklm", None) or {}).get("learned_positions"))
+    start, recent = check_sizes(start_size, recent_size, model.config.max_position_embeddings,
+                                learned)
     config = copy.deepcopy(generation_config or model.generation_config)
     rest = config.update(**kwargs)
     ids = inputs if inputs is not None else rest.pop("input_ids", None)
@@ -121,9 +123,11 @@ def generate(
     )
 
 
-def check_sizes(start_size: Any, recent_size: Any, trained: int) -> tuple[int, int]:
+def check_sizes(start_size: Any, recent_size: Any, trained: int,
+                learned: bool = False) -> tuple[int, int]:
     """The two sizes as ints, refused unless both are integers >= 0 with a sum >= 1; a warning
-    when queries will sit at positions the model was never trained on."""
+    when queries will sit at positions the model was never trained on, refused instead for a
+    model with ``learned`` absolute positions (it has no embedding for them)."""
     if start_size is None or recent_size is None:
         raise ValueError("start_size and recent_size go together (StreamingLLM's x+y cache): "
                          "pass both, or neither for transformers' own generate")
@@ -132,6 +136,11 @@ def check_sizes(start_size: Any, recent_size: Any, trained: int) -> tuple[int, i
             raise ValueError(f"{name}={value!r}: must be an integer >= 0")
     if start_size + recent_size < 1:
         raise ValueError("start_size + recent_size is 0: the cache would keep no token")
+    if learned and start_size + recent_size >= trained:
+        raise ValueError(f"start_size + recent_size = {start_size + recent_size}: queries reach "
+                         f"position {start_size + recent_size}, but this model's learned "
+                         f"positions embed only 0..{trained - 1}; use start_size + recent_size "
+                         f"<= {trained - 1}")
     if start_size + recent_size >= trained:
         warnings.warn(f"start_size + recent_size = {start_size + recent_size}: queries reach "
                       f"position {start_size + recent_size}, past the {trained} positions "
@@ -244,6 +253,10 @@ class SinkLMStream:
     def __call__(self, ids: Tensor) -> Tensor:
         """fp32 logits [1, vocab] of the last of ``ids`` [1, T], which follow the held tokens."""
         return self.network(ids, cache=self)[:, -1].float()
+
+    def query_positions(self, *args: Any) -> Tensor:
+        """The KVCache's: the new tokens after the held ones (learned positions embed them)."""
+        return self.kv.query_positions(*args)
 
     def step(self, *args: Any) -> Callable[[int, nn.Module, Tensor], Tensor]:
         """The KVCache's step (new tokens at the positions after the held ones), then each

@@ -3,14 +3,15 @@
 The folder holds safetensors weights (Pythia's names), config.json, the tokenizer
 (tokenizer.json, tokenizer_config.json, special_tokens_map.json), generation_config.json and a
 model card (README.md, written by ``models/card.py``). config.json's ``sinklm`` dict records
-``name``, ``attention_softmax``, ``sink_tokens`` and ``sink_token_ids``.
+``name``, ``attention_softmax``, ``sink_tokens``, ``sink_token_ids`` and ``learned_positions``.
 
 - ``softmax`` models (vanilla, sink-token) are plain ``GPTNeoXForCausalLM`` folders: no remote
   code. For a sink-token model the tokenizer's post-processor puts the sink tokens in front of
   every encoded text, so ``model(**tokenizer(text))`` sees what sinklm saw in training.
-- ``softmax1``, ``sink_logit`` and ``gated`` models get model type ``sinklm`` and an ``auto_map``
-  to ``modeling_sinklm.py``, shipped with verbatim copies of the models/ files it imports; they
-  load with ``trust_remote_code=True``, offline.
+- ``softmax1``, ``sink_logit`` and ``gated`` models, and models with ``learned_positions`` (a
+  research option: a learned absolute position table GPT-NeoX has no slot for), get model type
+  ``sinklm`` and an ``auto_map`` to ``modeling_sinklm.py``, shipped with verbatim copies of the
+  models/ files it imports; they load with ``trust_remote_code=True``, offline.
 - Every export ships ``custom_generate/generate.py`` (a copy of ``models/custom_generate.py``):
   transformers' ``generate(..., custom_generate=folder, start_size=x, recent_size=y)`` streams
   through StreamingLLM's start+recent cache as ``sinklm generate`` does.

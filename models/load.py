@@ -40,6 +40,7 @@ from sinklm.models.convert import (
     config_from_hf,
     from_hf_model,
     from_hf_state_dict,
+    needs_remote_code,
     read_export_block,
 )
 
@@ -75,6 +76,7 @@ class Checkpoint:
             "softmax": config.attention.softmax,
             "sink_tokens": config.sink_tokens,
             "max_seq_len": config.max_seq_len,
+            "learned_positions": config.learned_positions,
             "params": self.model.num_params(),
         }
 
@@ -223,10 +225,11 @@ def _load_transformers(where: Location) -> tuple[CausalLM, list[int], str]:
         raise CheckpointError(f"{path}: cannot read a transformers config ({error})") from error
     sink_ids = block.sink_ids
     name = block.name or Path(path).name
-    if config.attention.softmax == "softmax":
+    if not needs_remote_code(config):
         hf_model = GPTNeoXForCausalLM.from_pretrained(path, dtype=torch.float32)
         return from_hf_model(hf_model), sink_ids, name
-    # Variants a plain GPTNeoX cannot hold (sink_logit, gate) are read as our own state dict.
+    # What a plain GPTNeoX cannot hold (sink logits, gates, learned positions) is read as our
+    # own state dict.
     model = CausalLM(config)
     model.load_state_dict(from_hf_state_dict(_read_safetensors(where)), strict=True)
     return model, sink_ids, name

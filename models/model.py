@@ -3,12 +3,17 @@
 Weight names and the fused QKV layout are those of transformers' ``GPTNeoXForCausalLM``
 (``gpt_neox.layers.{i}.attention.query_key_value`` holds, per head, [q_h, k_h, v_h]), so
 state dicts move between the two without renaming. Parameters the GPT-NeoX architecture has
-no slot for (``attention.sink_logit``, ``attention.gate``) exist only in those variants.
+no slot for (``attention.sink_logit``, ``attention.gate``) exist only in those variants, and
+``gpt_neox.embed_positions`` (learned absolute positions, a research option) only with
+``learned_positions``.
 
 The model holds no cache policy: ``hidden_states`` runs the one block loop and takes explicit
 positions and an optional :class:`Cache`, which decides what earlier tokens each layer's
 attention sees. Keys are cached before rotary, so a cache (``KVCache`` here, the streaming
-start+recent cache in ``sinklm.eval``) may evict entries and re-assign positions.
+start+recent cache in ``sinklm.eval``) may evict entries and re-assign positions. A model with
+``learned_positions`` adds to each token's embedding the row of the position it is given as it
+enters (the position rotary gives it as a query, :meth:`Cache.query_positions`): that row stays
+baked into everything the token leaves in a cache, wherever the cache later moves it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import FUSED_KERNELS, check_backend_available, eager_attention
-from .config import ModelConfig
+from .config import ModelConfig, check_embeddable
 
 
 def resolve_positions(position_ids: Tensor | None, first: int, input_ids: Tensor) -> Tensor:
@@ -50,6 +55,12 @@ class Cache(Protocol):
     :class:`KVCache` keeps everything it is given; the streaming caches of ``sinklm.eval``
     keep a start and a recent window.
     """
+
+    def query_positions(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """The positions [B, T] that the next :meth:`step` with these arguments gives the new
+        tokens as queries, without changing the cache. A model with learned absolute positions
+        asks before the embedding (and before ``step``); others never call it."""
+        ...
 
     def step(self, rotary: RotaryEmbedding, input_ids: Tensor, position_ids: Tensor | None,
              dtype: torch.dtype, attentions: list[Tensor] | None) -> LayerAttention: ...
@@ -79,12 +90,16 @@ class KVCache:
         if self.positions is not None:
             self.positions = self.positions.index_select(1, index)
 
+    def query_positions(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """``position_ids``, else the positions after the cached ones."""
+        return resolve_positions(position_ids, len(self), input_ids)
+
     def step(self, rotary: RotaryEmbedding, input_ids: Tensor, position_ids: Tensor | None,
              dtype: torch.dtype, attentions: list[Tensor] | None) -> LayerAttention:
         """The new tokens at ``position_ids`` (default: after the cache) see every cached key at
         its stored position; their keys and values are appended."""
         b = input_ids.shape[0]
-        positions = resolve_positions(position_ids, len(self), input_ids)
+        positions = self.query_positions(input_ids, position_ids)
         rope_q = rope_k = rotary.cos_sin(positions, dtype)
         if self.positions is not None:
             positions = torch.cat([self.positions.expand(b, -1), positions], dim=1)
@@ -268,11 +283,15 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, blocks and final norm: ``gpt_neox`` in transformers' naming."""
+    """Embedding, blocks and final norm: ``gpt_neox`` in transformers' naming. With
+    ``learned_positions``, also ``embed_positions``: one row per position 0..max_seq_len-1."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_in = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_positions = (
+            nn.Embedding(config.max_seq_len, config.d_model) if config.learned_positions else None
+        )
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dims, config.rotary_base)
@@ -293,9 +312,9 @@ class CausalLM(nn.Module):
     def reset_parameters(self) -> None:
         """Pythia's initialisation (GPT-NeoX ``small_init`` and ``wang_init``).
 
-        std sqrt(2 / (5 d)) for embeddings, QKV, the gate, the first MLP layer and the head;
-        2 / (L sqrt(d)) for the two layers that write into the residual stream. Biases and
-        sink logits start at zero, LayerNorms at identity.
+        std sqrt(2 / (5 d)) for embeddings (learned positions too), QKV, the gate, the first MLP
+        layer and the head; 2 / (L sqrt(d)) for the two layers that write into the residual
+        stream. Biases and sink logits start at zero, LayerNorms at identity.
         """
         d, n_layer = self.config.d_model, self.config.n_layer
         small = math.sqrt(2.0 / (5.0 * d))
@@ -359,21 +378,44 @@ class CausalLM(nn.Module):
 
         Without a cache every block is called as a module (hooks and ``torch.compile`` apply);
         with one, the cache's :meth:`Cache.step` gives each layer's attention. ``attentions``,
-        when given, receives each layer's probabilities.
+        when given, receives each layer's probabilities. With ``learned_positions``, each token's
+        embedding gets the row of the position it enters at (the cache's
+        :meth:`Cache.query_positions`, else ``position_ids`` or 0..T-1).
         """
         decoder = self.gpt_neox
         x = decoder.embed_in(input_ids)
         if cache is not None:
+            if decoder.embed_positions is not None:
+                x = x + self.position_embeddings(cache.query_positions(input_ids, position_ids))
             attend = cache.step(decoder.rotary, input_ids, position_ids, x.dtype, attentions)
             for i, block in enumerate(decoder.layers):
                 x = block.residual(x, functools.partial(attend, i, block.attention))
             return x
-        rope = decoder.rotary.cos_sin(resolve_positions(position_ids, 0, input_ids), x.dtype)
+        positions = resolve_positions(position_ids, 0, input_ids)
+        if decoder.embed_positions is not None:
+            top = input_ids.shape[1] - 1 if position_ids is None else None  # 0..T-1: known
+            x = x + self.position_embeddings(positions, top)
+        rope = decoder.rotary.cos_sin(positions, x.dtype)
         for block in decoder.layers:
             x, probs = block(x, decoder.rotary, rope, attentions is not None)
             if attentions is not None and probs is not None:
                 attentions.append(probs)
         return x
+
+    def position_embeddings(self, positions: Tensor, top: int | None = None) -> Tensor:
+        """The learned position rows [B, T, d] of ``positions`` (``learned_positions`` only),
+        refused past the table. ``top``, the largest position when the caller knows it, spares
+        reading the tensor back (a device sync per training step)."""
+        table = self.gpt_neox.embed_positions
+        if table is None:
+            raise ValueError("this model has no learned positions (learned_positions=False)")
+        if top is None:
+            top = int(positions.max()) if positions.numel() else -1
+        check_embeddable(self.config, top, "tokens",
+                         "keep positions below max_seq_len: inputs of at most "
+                         f"{self.config.max_seq_len} tokens, a start+recent cache of at most "
+                         f"{self.config.max_seq_len - 1} (x+y)")
+        return table(positions)
 
     def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
         """Vocabulary logits of hidden states: the final norm, then the head. With ``out`` (rows x

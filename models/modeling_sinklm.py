@@ -1,7 +1,8 @@
-"""transformers wrapper of the sinklm network, for attention variants GPT-NeoX cannot express.
+"""transformers wrapper of the sinklm network, for variants GPT-NeoX cannot express.
 
-Shipped as ``modeling_sinklm.py`` in exported folders of softmax1, sink_logit and gated models,
-next to verbatim copies of sinklm's config.py, attention.py, model.py and convert.py.
+Shipped as ``modeling_sinklm.py`` in exported folders of softmax1, sink_logit and gated models
+and of models with learned absolute positions (``learned_positions``, a research option), next
+to verbatim copies of sinklm's config.py, attention.py, model.py and convert.py.
 transformers copies a remote-code module's relative imports into its module cache, so
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` runs sinklm's own
 network, offline and without sinklm installed: nothing here re-implements it.

@@ -67,7 +67,8 @@ def test_checkpoint_records_its_data(train_data: TinyData, trained: Trained) -> 
     meta = read_meta(train_data.packed)
     saved = torch.load(trained.checkpoint, map_location="cpu", weights_only=False)
     assert saved[DATA_KEY] == {"tokenizer_hash": meta["tokenizer_hash"],
-                               "source_fingerprint": meta["source_fingerprint"]}
+                               "source_fingerprint": meta["source_fingerprint"],
+                               "windows": "stream"}
 
 
 def test_explicit_checkpoint_of_another_variant_is_refused(

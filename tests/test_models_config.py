@@ -155,3 +155,20 @@ def test_a_stream_cache_keeps_the_sink_ids_and_fills_the_context_with_the_query(
     assert ModelConfig(**small, max_seq_len=16, sink_tokens=2).stream_cache() == (2, 13)
     assert ModelConfig(**small, max_seq_len=2048).stream_cache() == (4, 2043)
     assert ModelConfig(**small, max_seq_len=3).stream_cache() == (2, 0)
+
+
+def test_a_changed_preset_is_named_by_what_it_is() -> None:
+    # The preset's own values and the variant's axes leave the name alone; a changed network
+    # field enters it, in the order given.
+    assert ModelConfig.from_preset("lab-1l", "sink_token").name == "lab-1l"
+    assert ModelConfig.from_preset("lab-1l", "vanilla", use_parallel_residual=False,
+                                   n_head=1).name == "lab-1l"
+    config = ModelConfig.from_preset("lab-1l", "vanilla", n_layer=2, learned_positions=True,
+                                     use_parallel_residual=True)
+    assert config.name == "lab-1l+n_layer=2+learned_positions+use_parallel_residual"
+    assert config.n_layer == 2 and config.learned_positions
+    assert ModelConfig.from_preset("tiny-1m", learned_positions=False, d_model=64,
+                                   attention={"backend": "eager"}).name == "tiny-1m+d_model=64"
+    assert ModelConfig.from_preset("tiny-1m", n_layer=3, name="mine").name == "mine"
+    with pytest.raises(ConfigError, match=r"unknown model config keys \['n_layers'\]"):
+        ModelConfig.from_preset("lab-1l", n_layers=2)

@@ -25,6 +25,7 @@ from sinklm.data import (
 )
 from sinklm.data.errors import DataError
 from sinklm.data.tokenizer import DEFAULT_TOKENIZER
+from sinklm.data.windows import check_windows
 from sinklm.models.checkpoint import write_data_entries
 
 
@@ -45,6 +46,15 @@ class SinkLMDataModule(L.LightningDataModule):
         global_batch_size: when set, checked to equal micro x devices x nodes x accumulation.
         seed: the order's seed (the permutation is fixed by seed and epoch).
         num_workers: loader worker processes per rank.
+        windows: where training and validation windows start. ``stream`` (default): a fixed
+            grid over the packed stream, window i holding tokens [i*T, i*T + T + 1) with
+            T = seq_len - sink_tokens, so most start mid-document. ``documents``: a window at
+            every document start, beginning with the end-of-document id that closed the
+            previous document (after the sink ids, if any), then every T tokens within that
+            document (the last may run into the next one), as packed pretraining with
+            document separators does; evaluate such a model with ``--eod-first``. Needs
+            ``path`` (Pythia's Megatron rows are fixed); a checkpoint resumes only with the
+            value it was trained with.
     """
 
     def __init__(
@@ -59,13 +69,31 @@ class SinkLMDataModule(L.LightningDataModule):
         global_batch_size: int | None = None,
         seed: int = 1234,
         num_workers: int = 2,
+        windows: str = "stream",
     ) -> None:
         super().__init__()
+        # Recorded in every checkpoint (datamodule_hyper_parameters), so evaluation can tell
+        # how the model was trained; not logged, since data.sink_tokens (linked) would clash
+        # with model.sink_tokens (as given) in the merged hyperparameters.
+        self.save_hyperparameters(logger=False)
         if (path is None) == (megatron_path is None):
             raise DataError("set exactly one of data.path (a prepare-data folder) and "
                             "data.megatron_path (Pythia's .bin/.idx prefix)")
+        check_windows(windows, "data.windows")
+        if windows == "documents" and megatron_path is not None:
+            raise DataError(
+                "data.windows=documents needs data.path: Pythia's Megatron rows are fixed, "
+                "pre-shuffled sequences that cannot be re-cut at documents; use data.windows: "
+                "stream (the default) with data.megatron_path"
+            )
         if path is not None:
             self.meta = read_meta(path)  # fails now, before any compute, if the folder is bad
+            if windows == "documents" and self.meta.get("eod_id") is None:
+                raise DataError(
+                    f"data.windows=documents: {path}/meta.json records no eod_id, so its "
+                    "documents cannot be found; re-pack it with `sinklm prepare-data ... "
+                    "--overwrite`, or use data.windows: stream"
+                )
         elif not Path(f"{megatron_path}.idx").is_file():
             raise DataError(f"data.megatron_path={megatron_path}: no {megatron_path}.idx")
         if micro_batch_size < 1:
@@ -75,6 +103,8 @@ class SinkLMDataModule(L.LightningDataModule):
         self.seq_len, self.sink_tokens, self.vocab_size = seq_len, sink_tokens, vocab_size
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.seed, self.num_workers = seed, num_workers
+        self.windows = windows
+        self._datasets: dict[str, PackedDataset] = {}  # documents' starts are found once
         self.sink_ids: list[int] | None = None
         self.tokenizer: Tokenizer | None = None  # set with the sink ids by check_vocabulary
 
@@ -107,13 +137,20 @@ class SinkLMDataModule(L.LightningDataModule):
 
     def identity(self) -> dict[str, str | None]:
         """What a checkpoint records of its data, so a resume on other data is refused: the
-        tokenizer's hash and the source fingerprint from meta.json (Pythia's Megatron files
-        carry none)."""
+        tokenizer's hash, the source fingerprint from meta.json (Pythia's Megatron files
+        carry none) and where windows start (``windows``)."""
         if self.path is not None:
             return {"tokenizer_hash": self.meta["tokenizer_hash"],
-                    "source_fingerprint": self.meta["source_fingerprint"]}
+                    "source_fingerprint": self.meta["source_fingerprint"],
+                    "windows": self.windows}
         return {"tokenizer_hash": tokenizer_hash(self.tokenizer or self.load_tokenizer()),
-                "source_fingerprint": None}
+                "source_fingerprint": None, "windows": self.windows}
+
+    @staticmethod
+    def recorded_identity(saved: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's recorded identity with what older checkpoints leave out filled in:
+        before ``windows`` was recorded, every run used the stream grid."""
+        return {"windows": "stream", **saved}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the tokenizer (with its sink tokens) and the sink ids, which evaluation loads,
@@ -125,8 +162,12 @@ class SinkLMDataModule(L.LightningDataModule):
     def _dataset(self, split: str) -> PackedDataset | MegatronRows:
         if self.megatron_path is not None:
             return MegatronRows(self.megatron_path, self.seq_len, self.sink_tokens)
-        return PackedDataset(self.path, split, self.seq_len, self.sink_tokens,
-                             tokenizer_hash=self.meta["tokenizer_hash"])
+        if split not in self._datasets:
+            self._datasets[split] = PackedDataset(
+                self.path, split, self.seq_len, self.sink_tokens,
+                tokenizer_hash=self.meta["tokenizer_hash"], windows=self.windows,
+            )
+        return self._datasets[split]
 
     def _sinks(self) -> list[int]:
         if self.sink_ids is None:

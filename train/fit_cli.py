@@ -71,9 +71,13 @@ def _short(value: str | None) -> str:
 def resume_differences(checkpoint: dict[str, Any], config: ModelConfig,
                        data: SinkLMDataModule) -> list[str]:
     """What differs between a checkpoint and this run, as ``what: checkpoint X vs config Y``."""
-    saved, current = _flatten(checkpoint[CHECKPOINT_KEY]), _flatten(config.to_dict())
-    # The kernel is not part of the model: resuming an sdpa run with flash is fine.
-    differing = [key for key in current if key != "attention.backend"
+    # Read back through the dataclass, so that a field added since the checkpoint was written
+    # compares at its default (what the checkpoint's network was).
+    saved = _flatten(ModelConfig.from_dict(checkpoint[CHECKPOINT_KEY]).to_dict())
+    current = _flatten(config.to_dict())
+    # The kernel is not part of the model: resuming an sdpa run with flash is fine; nor is the
+    # name, which says what the network is (older checkpoints of a changed preset lack that).
+    differing = [key for key in current if key not in ("attention.backend", "name")
                  and saved.get(key) != current[key]]
     found = []
     if {"attention.softmax", "sink_tokens"} & set(differing):
@@ -87,6 +91,7 @@ def resume_differences(checkpoint: dict[str, Any], config: ModelConfig,
         found.append(f"sink ids: checkpoint {list(saved_sinks)} vs data {data.sink_ids}")
     saved_data = checkpoint.get(DATA_KEY)
     if saved_data is not None:
+        saved_data = data.recorded_identity(saved_data)  # older checkpoints: stream windows
         for key, value in data.identity().items():
             if saved_data.get(key) != value:
                 what = key.replace("_", " ")
