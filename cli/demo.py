@@ -1,11 +1,11 @@
 """``sinklm demo`` (``make demo``): the whole path on a CPU in minutes, every number measured here.
 
 Part 1, the sink lab (``--only lab``, ``demo_lab.py``): a synthetic task on which sinks form in
-seconds. Part 2, natural text (``--only text``, ``demo_text.py``): a tokenizer and packed corpus,
-three tiny models trained on it, streamed on a held-out book, and a real Pythia where the Hub
-is reachable. Both train through ``demo_runs.py``, which reuses what a previous run made. The
-demo ends with the lab's sink-token model generating far past its context, scored by the chain
-that made its data.
+seconds, with windows mid-stream and aligned to documents. Part 2, natural text (``--only
+text``, ``demo_text.py``): a tokenizer and packed corpus, three tiny models trained on it,
+streamed on a held-out book, and a real Pythia where the Hub is reachable. Both train
+through ``demo_runs.py``, which reuses what a previous run made. The demo ends with the lab's
+sink-token model generating far past its context, scored by the chain that made its data.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def define_demo(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Part 1, the sink lab: generate Bigram-Backcopy data, train vanilla, "
         "zero_sink and sink_token models on it (configs/experiments/bb-*.yaml) and compare "
-        "them on its held-out split with the paper's cache grid, where a sink forms in seconds. "
+        "them on its held-out split with the paper's cache grid, where a sink forms in seconds; "
+        "then the same with windows aligned to short documents (bb-docs-*.yaml), where every "
+        "window starts with the end-of-document id and vanilla comes to depend on it. "
         "Part 2, natural text: prepare the corpus, train tiny vanilla, zero_sink and sink_token "
         "models (configs/experiments/tiny-*.yaml), stream-evaluate them on a held-out book, "
         "measure sinks, and, where the Hub is reachable, stream a real Pythia. It ends with the "

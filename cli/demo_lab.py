@@ -2,9 +2,13 @@
 
 Bigram-Backcopy data generated and packed as ``configs/data/bigram_backcopy.yaml`` says; the
 ``vanilla``, ``zero_sink`` and ``sink_token`` models of ``configs/experiments/bb-*.yaml`` trained
-on it; ``sinklm compare`` on its held-out validation split with the paper's cache grid. Then
-streaming generation from the sink-token model far past its trained context, with the sink id
-kept and evicted, scored by the chain that made the data (the one task whose truth is known).
+on it; ``sinklm compare`` on its held-out validation split with the paper's cache grid. Then the
+same three with document-aligned windows (``bb-docs-*.yaml`` on
+``configs/data/bigram_backcopy_docs.yaml``), where vanilla's windows all start with the
+end-of-document id and it comes to depend on it, evaluated with that id in front of every
+document. Then streaming generation from the sink-token model far past its trained context,
+with the sink id kept and evicted, scored by the chain that made the data (the one task whose
+truth is known).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ if TYPE_CHECKING:
     from sinklm.data.synthetic import StreamScore
 
 LAB_DATA = "data/bigram_backcopy.yaml"
+DOCS_DATA = "data/bigram_backcopy_docs.yaml"
 # Generation: tokens per cache in trained contexts, and the seed of the model's and the
 # chain's samples.
 GENERATED_CONTEXTS = 20
@@ -34,6 +39,7 @@ class Lab:
     generator parameters the data was packed with (the truth generation is scored by)."""
 
     report: Any
+    docs_report: Any  # the document-aligned lab's: windows led by the end-of-document id
     sink_token: Path
     source: dict[str, Any]
 
@@ -48,13 +54,15 @@ class Generation:
     truth: StreamScore  # a sample of the chain itself: what perfect looks like
 
 
-def run_lab(args: argparse.Namespace) -> Lab:
-    """The sink lab: Bigram-Backcopy packed, the three bb models trained, their report."""
+def _lab_group(args: argparse.Namespace, data: str, family: str, folder: str,
+               eod_first: bool) -> tuple[Any, dict[str, Path], dict[str, Any]]:
+    """One lab group: its data packed, ``FAMILY-VARIANT`` trained for the three variants into
+    ``DIR/FOLDER/VARIANT``, compared on the held-out split into ``DIR/FOLDER/report``."""
     from sinklm.data import PrepareConfig, prepare_data
     from sinklm.data.errors import DataError
     from sinklm.eval.compare import Settings, compare
 
-    config = read_config(LAB_DATA)
+    config = read_config(data)
     packed = Path(config["output"])
     say(f"sink lab: Bigram-Backcopy data into {packed}")
     try:
@@ -62,17 +70,26 @@ def run_lab(args: argparse.Namespace) -> Lab:
     except DataError as error:
         raise DemoError(f"sink lab data: {error} (move {packed} aside to rebuild it)") from None
     checkpoints = {
-        variant: train("bb", variant, args.output_dir / "lab" / variant, packed, meta,
+        variant: train(family, variant, args.output_dir / folder / variant, packed, meta,
                        args.lab_steps, [])
         for variant in VARIANTS
     }
-    settings = Settings(texts=(), packed=f"{packed}:validation", max_tokens=args.lab_eval_tokens)
+    settings = Settings(texts=(), packed=f"{packed}:validation", max_tokens=args.lab_eval_tokens,
+                        eod_first=eod_first)
     try:
         report = compare([str(path) for path in checkpoints.values()],
-                         args.output_dir / "lab" / "report", settings)
+                         args.output_dir / folder / "report", settings)
     except UserError as error:
         raise DemoError(f"sink lab evaluation: {error}") from None
-    return Lab(report, checkpoints["sink_token"], meta["source"])
+    return report, checkpoints, meta
+
+
+def run_lab(args: argparse.Namespace) -> Lab:
+    """The sink lab: the three bb models on Bigram-Backcopy (windows mid-stream), then the
+    three bb-docs models (windows aligned to documents), each with its report."""
+    report, checkpoints, meta = _lab_group(args, LAB_DATA, "bb", "lab", eod_first=False)
+    docs_report, _, _ = _lab_group(args, DOCS_DATA, "bb-docs", "lab-docs", eod_first=True)
+    return Lab(report, docs_report, checkpoints["sink_token"], meta["source"])
 
 
 def run_generation(lab: Lab) -> Generation:
@@ -132,11 +149,20 @@ def lab_table(report: Any) -> str:
 
 
 def print_lab(lab: Lab, args: argparse.Namespace) -> None:
-    report = lab.report
     print("\n## Sink lab: Bigram-Backcopy (synthetic; Guo et al. 2024, arXiv 2410.13835)\n")
     print(f"Streaming perplexity on the held-out validation split (first "
           f"{args.lab_eval_tokens:,} tokens). A synthetic task on which sinks form in seconds; "
           "what natural text does at scale needs the GPU configs.\n")
+    print("Windows mid-stream (documents of 8,192 tokens, cut on a fixed grid), as Pythia's "
+          "rows are: only the sink-token model has a fixed first token to depend on.\n")
+    _print_report(lab.report)
+    print("\nWindows aligned to documents of 127 tokens, each led by the end-of-document id "
+          "(data.windows: documents), and every held-out document streamed with that id in "
+          "front (--eod-first): now every vanilla window starts with the same token too.\n")
+    _print_report(lab.docs_report)
+
+
+def _print_report(report: Any) -> None:
     print(lab_table(report))
     print()
     print("\n".join(report.findings))

@@ -27,7 +27,7 @@ from sinklm.cli.main import UserError, bundled_file, check_at_least
 
 WINDOWS = ("stream", "documents")
 OPTIMIZER_KEYS = ("lr", "weight_decay", "warmup_fraction", "min_lr_ratio")
-GRID_FILE = "grid.json"  # marks a sweep folder; the grid of its last run
+GRID_FILE = "grid.json"  # marks a sweep folder: the grid (and selection) its table is of
 
 
 class SweepError(UserError):
@@ -49,11 +49,13 @@ class Setting:
                 ``documents`` setting streams its evaluation documents with that id first too.
     variants:   the variants this setting trains (None: the grid's), e.g. only vanilla where
                 the question is vanilla's alone and runs are long.
+    seeds:      its seeds (None: the grid's), e.g. one seed to screen a long setting.
     """
 
     name: str
     about: str = ""
     variants: tuple[str, ...] | None = None
+    seeds: tuple[int, ...] | None = None
     steps: int | None = None
     model: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +82,9 @@ class Grid:
     def variants_of(self, setting: Setting) -> tuple[str, ...]:
         return setting.variants or self.variants
 
+    def seeds_of(self, setting: Setting) -> tuple[int, ...]:
+        return setting.seeds or self.seeds
+
     def caches(self) -> list[str]:
         return [f"{x}+{self.window - x}" for x in (0, 1, 4)]
 
@@ -89,7 +94,7 @@ class Grid:
 
 def read_grid(path: Path, only: list[str] | None = None, seeds: list[int] | None = None) -> Grid:
     """The grid file at ``path``, checked whole before anything runs; ``only`` keeps the named
-    settings, ``seeds`` replaces the file's seeds."""
+    settings, ``seeds`` replaces the file's seeds (the grid's and every setting's)."""
     from sinklm.data.keys import reject_unknown_keys
     from sinklm.models.config import VARIANTS
 
@@ -108,9 +113,12 @@ def read_grid(path: Path, only: list[str] | None = None, seeds: list[int] | None
         if not isinstance(item, dict) or "name" not in item:
             raise SweepError(f"--grid {path}: every setting needs a name; got {item!r}")
         reject_unknown_keys(item, Setting, f"keys of setting {item['name']!r}", SweepError)
-        if item.get("variants") is not None:
-            item = {**item, "variants": tuple(item["variants"])}
+        for key in ("variants", "seeds"):
+            if item.get(key) is not None:
+                item = {**item, key: tuple(item[key])}
         settings.append(Setting(**item))
+    if seeds:
+        settings = [Setting(**{**asdict(s), "seeds": None}) for s in settings]
     grid = Grid(**{**raw, "settings": tuple(settings),
                    "variants": tuple(raw.get("variants", Grid.variants)),
                    "seeds": tuple(seeds or raw.get("seeds", Grid.seeds))})
@@ -132,8 +140,9 @@ def read_grid(path: Path, only: list[str] | None = None, seeds: list[int] | None
         unknown = sorted(set(variants) - set(VARIANTS))
         if unknown or not variants:
             raise SweepError(f"variants {list(variants)}: allowed {sorted(VARIANTS)}")
-    if not grid.seeds or not all(isinstance(s, int) for s in grid.seeds):
-        raise SweepError(f"seeds {list(grid.seeds)}: give one or more integers")
+    for seeds in (grid.seeds, *(s.seeds for s in grid.settings if s.seeds is not None)):
+        if not seeds or not all(isinstance(seed, int) for seed in seeds):
+            raise SweepError(f"seeds {list(seeds)}: give one or more integers")
     base = {v: _fit_config(grid.family, v)
             for v in {*grid.variants, *(v for s in grid.settings for v in s.variants or ())}}
     for setting in grid.settings:
@@ -246,7 +255,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from sinklm.cli.sweep_table import write_table
 
     runs = [Run(setting, variant, seed) for setting in grid.settings
-            for variant in grid.variants_of(setting) for seed in grid.seeds]
+            for variant in grid.variants_of(setting) for seed in grid.seeds_of(setting)]
     data = {setting.name: _prepare(grid, setting, out) for setting in grid.settings}
     _train_all(runs, grid, data, out, args.jobs, args.overwrite)
     rows = []
@@ -260,19 +269,25 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def check_output(output: Path, grid: Grid, overwrite: bool) -> Path:
-    """The sweep folder: new or empty, or one a sweep made (a rerun reuses what it can: each
-    run and each report refuses other settings on its own, unless ``overwrite``)."""
-    from sinklm.cli.outputs import guard_writable
+    """The sweep folder: new or empty, or made from this very grid (a rerun, which reuses every
+    run and result); a folder of another grid (or selection) only with ``overwrite``, where
+    unchanged runs and cached results are still reused."""
+    from sinklm.cli.outputs import guard_writable, write_atomic
 
     if output.exists() and not output.is_dir():
         raise SweepError(f"--output {output}: exists and is not a folder")
     marker = output / GRID_FILE
-    if output.is_dir() and any(output.iterdir()) and not marker.is_file() and not overwrite:
-        raise SweepError(f"--output {output}: holds files but no {GRID_FILE}, so it is not a "
-                         "sweep folder; choose another or pass --overwrite (they stay)")
+    if not overwrite and output.is_dir() and any(output.iterdir()):
+        if not marker.is_file():
+            raise SweepError(f"--output {output}: holds files but no {GRID_FILE}, so it is not a "
+                             "sweep folder; choose another or pass --overwrite (they stay)")
+        if json.loads(marker.read_text()) != json.loads(json.dumps(grid.to_json())):
+            raise SweepError(f"--output {output} holds a sweep of another grid or selection "
+                             "(--only, --seeds): pass --overwrite to redo its table (unchanged "
+                             "runs are reused, changed ones retrained), or choose another folder")
     guard_writable([output])
     output.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(grid.to_json(), indent=2) + "\n")
+    write_atomic(marker, json.dumps(grid.to_json(), indent=2) + "\n")
     return output
 
 

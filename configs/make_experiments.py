@@ -177,6 +177,25 @@ def lab_config(variant: str) -> dict[str, Any]:
 
 
 LAB_SETUP = "Data first (once): sinklm prepare-data --config configs/data/bigram_backcopy.yaml"
+DOCS_SETUP = ("Data first (once): sinklm prepare-data --config "
+              "configs/data/bigram_backcopy_docs.yaml")
+# The variants of the document-aligned lab: the paper's three rows.
+DOCS_VARIANTS = PAPER_VARIANTS
+
+
+def lab_docs_config(variant: str) -> dict[str, Any]:
+    """The sink lab with document-aligned windows over documents of 127 tokens
+    (configs/data/bigram_backcopy_docs.yaml): every training window is one document led by the
+    end-of-document id that closed the one before, as in packed pretraining with separators
+    and document-aligned windows. Vanilla then sees a fixed first token in every window, as
+    the sink-token model sees its sink id, and comes to depend on it (the sweep's doc127-aligned
+    setting, README). Evaluate with ``--eod-first``."""
+    name = f"bb-docs-{variant}"
+    config = lab_config(variant)
+    config["trainer"] = cpu_trainer(name, steps=300, val_every=100, val_batches=4)
+    config["data"] = {**config["data"], "path": "packed/bigram_backcopy_docs",
+                      "windows": "documents"}
+    return config
 
 
 TINY_SETUP = (
@@ -230,6 +249,13 @@ def experiments() -> dict[str, tuple[dict[str, Any], str, str]]:
             lab_config(variant),
             f"lab-1l {variant} on Bigram-Backcopy (the sink lab), about a minute on 2 CPU cores",
             LAB_SETUP,
+        )
+    for variant in DOCS_VARIANTS:
+        found[f"bb-docs-{variant}"] = (
+            lab_docs_config(variant),
+            f"lab-1l {variant} on Bigram-Backcopy, windows aligned to documents of 127 tokens "
+            "(the sink lab's document-aligned rows), about a minute on 2 CPU cores",
+            DOCS_SETUP,
         )
     return found
 

@@ -79,6 +79,19 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     assert demo_lab.lab_table(argparse.Namespace(files={"json": "runs/demo/lab/report/report.json"})
                           ) in out
     assert all(sentence in out for sentence in lab["streaming"]["findings"])
+    # Then the document-aligned lab: its own data, windows and streams led by end-of-document.
+    docs = json.loads(Path("runs/demo/lab-docs/report/report.json").read_text())
+    assert [m["label"] for m in docs["models"]] == [
+        "lab-1l-vanilla", "lab-1l-zero_sink", "lab-1l-sink_token"]
+    assert docs["streaming"]["eod_first"] is True
+    assert demo_lab.lab_table(argparse.Namespace(
+        files={"json": "runs/demo/lab-docs/report/report.json"})) in out
+    assert out.index("Windows mid-stream") < out.index("Windows aligned to documents")
+    assert json.loads(Path("packed/bigram_backcopy_docs/meta.json").read_text())["source"][
+        "doc_tokens"] == 127
+    checkpoint = torch.load("runs/demo/lab-docs/vanilla/checkpoints/last.ckpt",
+                            map_location="cpu", weights_only=False)
+    assert checkpoint["datamodule_hyper_parameters"]["windows"] == "documents"
     assert json.loads(Path("packed/bigram_backcopy/meta.json").read_text())["source"][
         "synthetic"] == "bigram-backcopy"
     report = json.loads(Path("runs/demo/report/report.json").read_text())
@@ -133,7 +146,7 @@ def test_demo_runs_the_whole_path_then_reuses_it(
     assert sinklm_main(demo_args(demo_data)) == 0
     out = capsys.readouterr().out
     assert table in out and "0 results measured in this run, 18 reused" in out
-    assert out.count("0 results measured in this run, 18 reused") == 2  # the lab's too
+    assert out.count("0 results measured in this run, 18 reused") == 3  # both labs too
     assert made[1] == scored  # generated again, the same
 
     assert sinklm_main(demo_args(demo_data, "--steps", "3")) == 2

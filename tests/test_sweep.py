@@ -36,7 +36,10 @@ def test_the_bundled_grid_is_valid_and_covers_the_knobs() -> None:
             "triggers"} <= changed
     assert {s.windows for s in grid.settings} == {"stream", "documents"}
     assert any((s.steps or 300) >= 4 * 300 for s in grid.settings)
-    assert [s.name for s in read_grid(GRID, only=["base"], seeds=[7]).settings] == ["base"]
+    screened = read_grid(GRID, only=["base", "learned-pos"], seeds=[7])
+    assert [(s.name, screened.seeds_of(s)) for s in screened.settings] == [
+        ("base", (7,)), ("learned-pos", (7,))]
+    assert {grid.seeds_of(s) for s in grid.settings} == {(1234,), (1234, 1, 2)}
 
 
 @pytest.mark.parametrize(("setting", "message"), [
@@ -111,18 +114,27 @@ def test_rows_and_verdicts_are_the_hand_computed_numbers() -> None:
     assert rows[0]["ratio"] == pytest.approx(1.3) and rows[0]["one_over_four"] == pytest.approx(
         5.0 / 4.95)
     assert (rows[0]["first"], rows[0]["self"], rows[0]["previous"]) == (0.4, 0.3, 0.9)
+    assert rows[0]["before"] == 0.1
     assert rows[0]["implicit"] is None
     # 1.3x and 1.0101 <= 1.02 in both vanilla seeds; sink_token 8x and 2x, 4+12 not below.
-    assert sweep_table.verdict(rows) == "the paper's rows appear (2 seeds)"
+    assert sweep_table.verdict(rows) == "the paper's rows appear in 2 seeds (confirm with 3)"
+    third = [dict(r, seed=3) for r in rows if r["seed"] == 1]
+    assert sweep_table.verdict(rows + third) == "the paper's rows appear (3 seeds)"
     weak = [dict(r, ratio=1.29) if r["seed"] == 2 and r["variant"] == "vanilla" else r
             for r in rows]
-    assert sweep_table.verdict(weak) == "vanilla does not; sink_token depends (2 seeds)"
+    assert sweep_table.verdict(weak) == (
+        "vanilla varies by seed (1 its first token, 1 none); sink_token needs its first token "
+        "(2 seeds)")
+    # Keeping one token is 3% worse than keeping four: the model needs more than its first.
     unsettled = [dict(r, one_over_four=1.03) if r["variant"] == "sink_token" else r for r in rows]
-    assert sweep_table.verdict(unsettled).startswith("vanilla depends; sink_token does not")
+    assert sweep_table.verdict(unsettled) == (
+        "vanilla needs its first token; sink_token needs several first tokens (2 seeds)")
+    flat = [dict(r, ratio=1.0, one_over_four=1.0) for r in rows]
+    assert sweep_table.verdict(flat).startswith("vanilla needs nothing of its first tokens;")
     table = sweep_table.markdown(rows, grid)
     # Mean (min-max) over the two seeds: 0+W of vanilla is 6.75 (6.50-7.00).
     assert "| s | vanilla | 2 | 6.75 (6.50-7.00) | 5.00 (5.00-5.00) |" in table
-    assert "| s | what | the paper's rows appear (2 seeds) |" in table
+    assert "| s | what | the paper's rows appear in 2 seeds (confirm with 3) |" in table
 
 
 def test_a_tiny_sweep_runs_end_to_end_and_a_rerun_reuses_it(
@@ -145,6 +157,9 @@ def test_a_tiny_sweep_runs_end_to_end_and_a_rerun_reuses_it(
     assert sinklm_main(["sweep", "--grid", str(grid), "--output", str(out)]) == 0
     assert captured.err.count("training bb") == 2
     assert "training bb" not in capsys.readouterr().err  # every run reused
+    # Another selection would rewrite the table of this one: only with --overwrite.
+    assert sinklm_main(["sweep", "--grid", str(grid), "--output", str(out), "--seeds", "2"]) == 2
+    assert "holds a sweep of another grid or selection" in capsys.readouterr().err
 
 
 def test_a_folder_that_is_not_a_sweep_is_refused(tmp_path: Path,
