@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sinklm.cli.sweep import Grid
 
-DEPENDS = 1.3  # 0+W at least this many times 1+(W-1)
+DEPENDS = 1.3  # 0+W at least this many times 1+(W-1) (the bar; compare says 1.1)
 SETTLED = 0.02  # 1+(W-1) at most this far above 4+(W-4)
 CONFIRMING_SEEDS = 3  # the rows count as there only in this many seeds
 # Row fields, in table order: (key, heading, format).

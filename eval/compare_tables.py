@@ -97,6 +97,16 @@ def _dependence(results: list[CacheResult]) -> tuple[list[str], bool | None]:
         if start != 0 or one is None:
             continue
         ratio = window / one
+        if four is not None and one / four >= DEPENDENCE_RATIO:
+            # One kept token is not enough (by the same ratio): the model needs several, such
+            # as two sink ids, or a sink id and the token every training window has after it.
+            depends = True
+            clauses.append(
+                f"it depends on more than its first token (window-only 0+{size} perplexity is "
+                f"{window / four:.2f}x that of 4+{size - 4}, {format_ppl(window)} vs "
+                f"{format_ppl(four)}, and keeping one, 1+{size - 1}, is still "
+                f"{one / four - 1:.1%} above it)")
+            continue
         depends = bool(depends) or ratio >= DEPENDENCE_RATIO
         verdict = "depends on" if ratio >= DEPENDENCE_RATIO else "does not depend on"
         clause = (f"it {verdict} its first token (window-only 0+{size} perplexity is "

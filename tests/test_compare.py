@@ -366,6 +366,13 @@ def test_one_finding_per_model_ties_its_three_measures() -> None:
     assert "0 of 2 heads give it more than 0.3" in partial and "a partial sink" in partial
     assert "does not depend" in attended and "yet windows without it lose nothing" in attended
     assert none.endswith("So: no first-token sink by any of the three measures.")
+    # Keeping one first token recovers too little: the model needs more than its first.
+    (two,) = model_findings({"two": [result(StartRecent(0, 64), 15.5),
+                                     result(StartRecent(1, 63), 10.7),
+                                     result(StartRecent(4, 60), 5.0)]}, {}, {"two": 128})
+    assert two == ("two: it depends on more than its first token (window-only 0+64 perplexity "
+                   "is 3.10x that of 4+60, 15.50 vs 5.00, and keeping one, 1+63, is still "
+                   "114.0% above it).")
     # A measure that was not taken is left out, and so is the verdict.
     (alone,) = model_findings({"x": needs(8.0)}, {}, {"x": 128})
     assert "depends on its first token" in alone and "So:" not in alone

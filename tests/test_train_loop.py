@@ -247,7 +247,8 @@ def test_checkpoint_loads_for_evaluation(train_data: TinyData, tmp_path: Path) -
     trained_vocab = Tokenizer.from_file(str(train_data.tokenizer)).get_vocab_size()
     assert loaded.sink_token_ids == [trained_vocab]  # the first free id
     assert loaded.tokenizer.id_to_token(trained_vocab) == "<|sink|>"
-    assert loaded.model.config.sink_tokens == 1 and loaded.name == "tiny-1m-sink_token"
+    assert loaded.model.config.sink_tokens == 1 and loaded.name == (
+        "tiny-1m+d_model=32+max_seq_len=64+n_head=2+vocab_size=640-sink_token")  # as trained
     saved = weights(path)
     for name, value in loaded.model.state_dict().items():
         assert torch.equal(value, saved[f"model.{name}"]), name
