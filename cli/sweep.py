@@ -129,6 +129,10 @@ def read_grid(path: Path, only: list[str] | None = None, seeds: list[int] | None
             raise SweepError(f"--only {','.join(unknown)}: not in {path}; settings: {names}")
         grid = Grid(**{**asdict(grid), "settings": tuple(s for s in grid.settings
                                                           if s.name in only)})
+    for key in ("window", "max_tokens"):
+        value = getattr(grid, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise SweepError(f"--grid {path}: {key}={value!r}; give an integer >= 2")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise SweepError(f"--grid {path}: setting names repeat: {repeated}")

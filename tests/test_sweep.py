@@ -64,6 +64,8 @@ def test_grid_level_mistakes_are_named(tmp_path: Path) -> None:
         read_grid(write_grid(tmp_path, variants=["vanila"]))
     with pytest.raises(SweepError, match="the caches need 4 < W < the trained context 128"):
         read_grid(write_grid(tmp_path, window=128))
+    with pytest.raises(SweepError, match="max_tokens='all'; give an integer >= 2"):
+        read_grid(write_grid(tmp_path, max_tokens="all"))
     with pytest.raises(SweepError, match="setting names repeat"):
         read_grid(write_grid(tmp_path, settings=[{"name": "a"}, {"name": "a"}]))
     with pytest.raises(SweepError, match="--only nope: not in"):
